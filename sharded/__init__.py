@@ -1,0 +1,7 @@
+"""sharded: ZeRO-style sharding of optimizer state, gradients and parameters for PyTorch."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__"]
