@@ -1,0 +1,155 @@
+"""Collectives as free functions over explicit arguments.
+
+Ranks here are always ranks *within* ``group``; translation to the global ranks that
+``torch.distributed`` wants for ``src``/``dst`` happens in this file and nowhere else. So do the
+backend rules: which device a backend communicates from, and which dtypes it can reduce.
+
+Python objects travel as ``torch.save`` bytes in a uint8 tensor (length first, then bytes)
+instead of through object collectives, which need numpy on some torch builds. They are read
+back with ``weights_only=True``: a peer's bytes are data, never code.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+ProcessGroup = Optional[dist.ProcessGroup]
+
+
+def group_rank(group: ProcessGroup) -> int:
+    """This process's rank within ``group``."""
+    return dist.get_rank(group)
+
+
+def group_size(group: ProcessGroup) -> int:
+    """Number of ranks in ``group``."""
+    return dist.get_world_size(group)
+
+
+def global_rank(group: ProcessGroup, rank: int) -> int:
+    """The global rank of ``group``'s ``rank``."""
+    if group is None or group is dist.group.WORLD:
+        return rank
+    return dist.get_global_rank(group, rank)
+
+
+def comm_device(group: ProcessGroup) -> torch.device:
+    """Device that small control tensors (norms, lengths, flags) must live on for ``group``."""
+    if dist.get_backend(group) == dist.Backend.NCCL:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def broadcast(
+    tensor: torch.Tensor, src: int, group: ProcessGroup, async_op: bool = True
+) -> Optional[dist.Work]:
+    """Broadcast ``tensor`` in place from ``group``'s rank ``src``."""
+    return dist.broadcast(tensor, src=global_rank(group, src), group=group, async_op=async_op)
+
+
+def all_reduce(
+    tensor: torch.Tensor, group: ProcessGroup, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+) -> None:
+    """Blocking all-reduce of ``tensor`` in place."""
+    dist.all_reduce(tensor, op=op, group=group)
+
+
+def all_gather(tensor: torch.Tensor, group: ProcessGroup) -> list[torch.Tensor]:
+    """Every rank's copy of ``tensor`` (same shape on every rank), in rank order."""
+    gathered = [torch.empty_like(tensor) for _ in range(group_size(group))]
+    dist.all_gather(gathered, tensor.contiguous(), group=group)
+    return gathered
+
+
+def all_gather_lengths(length: int, group: ProcessGroup) -> list[int]:
+    """Every rank's ``length``, in rank order."""
+    mine = torch.tensor([length], dtype=torch.int64, device=comm_device(group))
+    return [int(t.item()) for t in all_gather(mine, group)]
+
+
+def wait_all(works: Sequence[Optional[dist.Work]]) -> None:
+    """Wait for every pending collective in ``works``."""
+    for work in works:
+        if work is not None:
+            work.wait()
+
+
+# --------------------------------------------------------------------- objects as bytes
+
+
+def object_to_bytes(obj: Any, device: torch.device) -> torch.Tensor:
+    """``obj`` serialised with ``torch.save`` into a uint8 tensor on ``device``."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8).to(device)
+
+
+def bytes_to_object(data: torch.Tensor) -> Any:
+    """Inverse of :func:`object_to_bytes`; loads data only (``weights_only=True``)."""
+    data = data.cpu().contiguous()
+    start = data.storage_offset()
+    raw = bytes(data.untyped_storage())[start : start + data.numel()]
+    return torch.load(io.BytesIO(raw), weights_only=True)
+
+
+def send_object(obj: Any, dst: int, group: ProcessGroup) -> None:
+    """Send ``obj`` to ``group``'s rank ``dst`` (pairs with :func:`recv_object`)."""
+    device = comm_device(group)
+    payload = object_to_bytes(obj, device)
+    length = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    dist.send(length, dst=global_rank(group, dst), group=group)
+    dist.send(payload, dst=global_rank(group, dst), group=group)
+
+
+def recv_object(src: int, group: ProcessGroup) -> Any:
+    """Receive an object sent by ``group``'s rank ``src`` with :func:`send_object`."""
+    device = comm_device(group)
+    length = torch.empty(1, dtype=torch.int64, device=device)
+    dist.recv(length, src=global_rank(group, src), group=group)
+    payload = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+    dist.recv(payload, src=global_rank(group, src), group=group)
+    return bytes_to_object(payload)
+
+
+def broadcast_object(obj: Any, src: int, group: ProcessGroup) -> Any:
+    """``obj`` from ``group``'s rank ``src`` on every rank (``obj`` is ignored elsewhere)."""
+    device = comm_device(group)
+    if group_rank(group) == src:
+        payload = object_to_bytes(obj, device)
+        length = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    else:
+        length = torch.empty(1, dtype=torch.int64, device=device)
+    broadcast(length, src, group, async_op=False)
+    if group_rank(group) != src:
+        payload = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+    broadcast(payload, src, group, async_op=False)
+    return obj if group_rank(group) == src else bytes_to_object(payload)
+
+
+def exchange_objects(outgoing: dict[int, Any], group: ProcessGroup) -> dict[int, Any]:
+    """Collective point-to-point exchange: send ``outgoing[dst]`` to each rank ``dst`` listed.
+
+    Returns what this rank received, keyed by sender. Who sends to whom is agreed first with one
+    all-gather, then pairs talk in a fixed order, so a rank holds at most one incoming object's
+    bytes at a time beyond what it keeps, and ranks with nothing to exchange only join the first
+    collective.
+    """
+    me, world = group_rank(group), group_size(group)
+    sends_to = torch.zeros(world, dtype=torch.int64, device=comm_device(group))
+    for dst in outgoing:
+        sends_to[dst] = 1
+    matrix = torch.stack(all_gather(sends_to, group))
+    received: dict[int, Any] = {}
+    for src in range(world):
+        for dst in range(world):
+            if src == dst or not matrix[src, dst]:
+                continue
+            if me == src:
+                send_object(outgoing[dst], dst, group)
+            elif me == dst:
+                received[src] = recv_object(src, group)
+    return received

@@ -1,0 +1,62 @@
+"""Flat storage for many tensors: grouping into size-bounded buckets, packing and unpacking.
+
+Pure tensor plumbing with no communication, so the collectives in :mod:`sharded._comm` can move
+one large contiguous buffer instead of many small ones.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Hashable, Iterable, Sequence
+
+import torch
+
+__all__ = ["group_by_device_and_dtype", "plan_buckets", "flatten", "unflatten_into"]
+
+
+def group_by_device_and_dtype(
+    tensors: Iterable[torch.Tensor],
+) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    """``tensors`` split by (device, dtype), keeping their order: only these can share a buffer."""
+    groups: dict[Hashable, list[torch.Tensor]] = defaultdict(list)
+    for t in tensors:
+        groups[(t.device, t.dtype)].append(t)
+    return dict(groups)
+
+
+def plan_buckets(tensors: Sequence[torch.Tensor], max_numel: int) -> list[list[torch.Tensor]]:
+    """Consecutive runs of ``tensors`` holding at most ``max_numel`` elements each.
+
+    A tensor larger than ``max_numel`` gets a bucket of its own (it is sent as it is, uncopied);
+    ``max_numel <= 0`` disables packing so that every tensor travels alone.
+    """
+    buckets: list[list[torch.Tensor]] = []
+    current: list[torch.Tensor] = []
+    current_numel = 0
+    for t in tensors:
+        if current and current_numel + t.numel() > max_numel:
+            buckets.append(current)
+            current, current_numel = [], 0
+        current.append(t)
+        current_numel += t.numel()
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def flatten(tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A new 1-D buffer holding ``tensors`` back to back, cast to ``dtype`` if given."""
+    dtype = dtype or tensors[0].dtype
+    flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=tensors[0].device)
+    torch._foreach_copy_(_views(flat, tensors), [t.detach() for t in tensors])
+    return flat
+
+
+def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Copy the consecutive pieces of ``flat`` back into ``tensors`` (casting as needed)."""
+    torch._foreach_copy_([t.detach() for t in tensors], _views(flat, tensors))
+
+
+def _views(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    pieces = flat.split([t.numel() for t in tensors])
+    return [piece.view(t.shape) for piece, t in zip(pieces, tensors)]
