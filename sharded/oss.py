@@ -1,0 +1,401 @@
+"""Layer 1, ZeRO-1: optimizer state sharding.
+
+Every rank computes gradients for the whole model (with DDP or ShardedDataParallel), but keeps
+optimizer state only for the parameters it owns: with Adam that is two copies of the model fewer
+per rank, spread evenly. ``step()`` updates the owned shard with the user's optimizer, then the
+owners broadcast the new values so all replicas stay identical.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections import defaultdict
+from typing import Any, Callable, Iterable, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+from . import _comm
+from ._broadcast import broadcast_buckets, plan_broadcasts
+from ._checks import check_param_list, check_same_across_ranks
+from ._partition import Partition
+from ._state_dict import full_state_dict, restore_state, snapshot_shard, states_by_param
+
+__all__ = ["OSS"]
+
+logger = logging.getLogger(__name__)
+
+ParamsArg = Union[Iterable[torch.Tensor], Iterable[dict[str, Any]]]
+
+
+class OSS(Optimizer):
+    """Wraps any ``torch.optim.Optimizer`` class so that each rank keeps only its shard of
+    the optimizer state (ZeRO stage 1), with fairscale's ``OSS`` interface.
+
+    The parameters are split into per-rank partitions, balanced by size (largest first onto the
+    least-loaded rank; frozen parameters are balanced apart so they never skew it). Each rank
+    builds the wrapped optimizer over its own partition only, so optimizer state memory per rank
+    is about ``1 / world_size`` of the total. After every ``step()`` the owners broadcast the
+    updated parameters in flat buckets.
+
+    ``OSS`` is itself a ``torch.optim.Optimizer``: ``param_groups`` lists every parameter and is
+    kept in sync with the wrapped optimizer in both directions, so lr schedulers, gradient
+    scalers and code that edits hyperparameters work unchanged. ``state_dict()`` returns the
+    standard torch format after :meth:`consolidate_state_dict`, loadable by a plain optimizer.
+
+    Args:
+        params: an iterable of tensors or of param-group dicts, as for any torch optimizer.
+        optim: the optimizer class to shard, e.g. ``torch.optim.AdamW``.
+        group: the process group to shard over (default: the whole world).
+        broadcast_buffer_size: parameters are packed into broadcast buckets of at most this
+            many elements; larger parameters are sent alone, uncopied.
+        broadcast_fp16: send floating-point parameters wider than fp16 as fp16 (half the bytes;
+            non-owners see values rounded to fp16, owners keep the exact ones).
+        force_broadcast_object: accepted for fairscale compatibility and has no effect: state
+            always travels as tensors here.
+        **defaults: hyperparameters for ``optim`` (``lr``, ``momentum``, ...).
+    """
+
+    _partition: Optional[Partition] = None  # None only while Optimizer.__init__ adds the groups
+
+    def __init__(
+        self,
+        params: ParamsArg,
+        optim: type[Optimizer] = torch.optim.SGD,
+        group: Optional[dist.ProcessGroup] = None,
+        broadcast_buffer_size: int = 2**23,
+        broadcast_fp16: bool = False,
+        force_broadcast_object: bool = False,
+        **defaults: Any,
+    ) -> None:
+        _check_optimizer_class(optim)
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "OSS needs torch.distributed: call torch.distributed.init_process_group() first"
+            )
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = _comm.group_rank(self.group)
+        self.world_size = _comm.group_size(self.group)
+        self.global_rank = _comm.global_rank(self.group, self.rank)
+        self.broadcast_buffer_size = broadcast_buffer_size
+        self.broadcast_fp16 = broadcast_fp16
+        self.force_broadcast_object = force_broadcast_object
+        self._consolidated: Optional[dict[str, Any]] = None
+        self._parked_state: dict[torch.Tensor, dict[str, Any]] = {}
+        self._warned_trainability_change = False
+
+        super().__init__(_as_param_groups(params, self.rank), defaults)
+        self._check_same_params_on_all_ranks()
+        partition = Partition.build([g["params"] for g in self.param_groups], self.world_size)
+        owned = partition.owned_by_group(self.rank)
+        self.optim = optim(
+            [{**_hyperparams(g), "params": mine} for g, mine in zip(self.param_groups, owned)],
+            **defaults,
+        )
+        self.state = self.optim.state
+        self._inner_step_takes_closure = "closure" in inspect.signature(self.optim.step).parameters
+        self._install(partition)
+        self._pull_hyperparams()
+
+    # ------------------------------------------------------------------ partition views
+
+    @property
+    def partition(self) -> Partition:
+        """The current assignment of parameters to ranks (read-only)."""
+        return self._partition
+
+    def partition_parameters(self) -> list[list[dict[str, Any]]]:
+        """For each rank, the param groups its optimizer steps (groups may be empty)."""
+        return [
+            [
+                {**_hyperparams(group), "params": mine}
+                for group, mine in zip(self.param_groups, self._partition.owned_by_group(rank))
+            ]
+            for rank in range(self.world_size)
+        ]
+
+    @property
+    def param_to_rank(self) -> dict[torch.Tensor, int]:
+        """Parameter -> the rank that owns it (and keeps its optimizer state)."""
+        return self._partition.owner_of()
+
+    @property
+    def per_device_params(self) -> dict[torch.device, list[list[torch.Tensor]]]:
+        """Device -> for each rank, the trainable parameters it owns on that device."""
+        by_device: dict[torch.device, list[list[torch.Tensor]]] = defaultdict(
+            lambda: [[] for _ in range(self.world_size)]
+        )
+        for rank in range(self.world_size):
+            for i in self._partition.owned_indices(rank, trainable_only=True):
+                p = self._partition.params[i]
+                by_device[p.device][rank].append(p)
+        return dict(by_device)
+
+    # ------------------------------------------------------------------------ stepping
+
+    def step(self, closure: Optional[Callable[[], Any]] = None, *args: Any, **kwargs: Any) -> Any:
+        """Step the local shard, then bring every rank's parameters up to date.
+
+        Collective: every rank must call it. Extra arguments go to the wrapped ``step()``.
+        """
+        if not self._partition.is_current():
+            self._warn_trainability_changed_once()
+            self.refresh_trainable()
+        self._consolidated = None
+        self._push_hyperparams()
+        loss = self._step_local_shard(closure, *args, **kwargs)
+        self._pull_hyperparams()
+        with torch.profiler.record_function("sharded::broadcast_params"):
+            wire_dtype = torch.float16 if self.broadcast_fp16 else None
+            broadcast_buckets(self._broadcasts, self.group, wire_dtype)
+        return loss
+
+    def _step_local_shard(self, closure: Optional[Callable[[], Any]], *args: Any, **kwargs: Any) -> Any:
+        if self._inner_step_takes_closure:
+            return self.optim.step(closure, *args, **kwargs)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.optim.step(*args, **kwargs)
+        return loss
+
+    def clip_grad_norm(
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        filter_params_fn: Optional[Callable[[Any], Any]] = None,
+    ) -> torch.Tensor:
+        """Clip gradients by their global norm across all shards; return that norm.
+
+        Equals ``torch.nn.utils.clip_grad_norm_`` over the full model's gradients, but each rank
+        only reads (and scales) the gradients of the parameters it steps. Collective.
+        ``filter_params_fn`` may narrow the rank's parameter list before the norm is taken.
+        """
+        norm_type = float(norm_type)
+        params = [self._partition.params[i] for i in self._partition.owned_indices(self.rank, True)]
+        if filter_params_fn is not None:
+            params = list(filter_params_fn(params))
+        grads = [p.grad for p in params if p.grad is not None]
+        device = _comm.comm_device(self.group)
+        total = _local_norm_term(grads, norm_type, device)
+        op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
+        _comm.all_reduce(total, self.group, op)
+        if norm_type != float("inf"):
+            total = total ** (1.0 / norm_type)
+        clip_coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for grad in grads:
+            grad.detach().mul_(clip_coef.to(grad.device, grad.dtype))
+        return total
+
+    # ------------------------------------------------------------- changing the partition
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group; existing parameters keep their owner. Collective after construction."""
+        params = _param_list(param_group)
+        self._check_new_group(params)
+        param_group = {**param_group, "params": params}
+        super().add_param_group(param_group)
+        if self._partition is None:
+            return
+        self._check_same_params_on_all_ranks()
+        partition = self._partition.with_group(self.param_groups[-1]["params"])
+        mine = partition.owned_by_group(self.rank)[-1]
+        self.optim.add_param_group({**_hyperparams(self.param_groups[-1]), "params": mine})
+        self._install(partition)
+        self._pull_hyperparams()
+
+    def refresh_trainable(self) -> None:
+        """Re-partition after ``requires_grad`` changed on some parameters. Collective.
+
+        Trainable parameters are balanced afresh; optimizer state follows each parameter to its
+        new owner (state of a frozen parameter is kept, not stepped, until it trains again), so
+        all replicas stay identical. ``step()`` calls this itself when it sees a change.
+        """
+        self._check_same_params_on_all_ranks()
+        new = Partition.build([g["params"] for g in self.param_groups], self.world_size)
+        self._move_state_to_owners(new)
+        self._install(new)
+
+    def _install(self, partition: Partition) -> None:
+        """Make ``partition`` current: inner param lists, active vs parked state, broadcast plan."""
+        self._partition = partition
+        for inner, mine in zip(self.optim.param_groups, partition.owned_by_group(self.rank)):
+            inner["params"] = mine
+        stepped = {p for group in self.optim.param_groups for p in group["params"]}
+        for p in [p for p in self.optim.state if p not in stepped]:
+            self._parked_state[p] = self.optim.state.pop(p)
+        for p in [p for p in self._parked_state if p in stepped]:
+            self.optim.state[p] = self._parked_state.pop(p)
+        trainable_by_rank = [
+            [partition.params[i] for i in partition.owned_indices(r, trainable_only=True)]
+            for r in range(self.world_size)
+        ]
+        self._broadcasts = plan_broadcasts(trainable_by_rank, self.broadcast_buffer_size)
+
+    def _move_state_to_owners(self, new: Partition) -> None:
+        """Send the state this rank keeps for parameters that ``new`` gives to another rank."""
+        owner = new.owner_of()
+        outgoing: dict[int, dict[torch.Tensor, dict[str, Any]]] = defaultdict(dict)
+        for states in (self.optim.state, self._parked_state):
+            for p in [p for p in states if owner[p] != self.rank]:
+                outgoing[owner[p]][p] = states.pop(p)
+        shards = {dst: snapshot_shard(states, new) for dst, states in outgoing.items()}
+        for shard in _comm.exchange_objects(shards, self.group).values():
+            self._adopt_states(shard, new)
+
+    def _adopt_states(self, shard: dict[int, dict[str, Any]], partition: Partition) -> None:
+        group_of = [g for g, s in enumerate(partition.group_slices) for _ in range(s.start, s.stop)]
+        for index, state in shard.items():
+            param = partition.params[index]
+            group = self.param_groups[group_of[index]]
+            self._parked_state[param] = restore_state(state, param, group)
+
+    # ------------------------------------------------------------------------ state dicts
+
+    def consolidate_state_dict(self, recipient_rank: int = 0) -> None:
+        """Gather the full optimizer state on ``recipient_rank`` (``-1``: on every rank).
+
+        Collective. Afterwards ``state_dict()`` on the recipient returns it, until the next step.
+        """
+        if not -1 <= recipient_rank < self.world_size:
+            raise ValueError(
+                f"rank {self.rank}: recipient_rank {recipient_rank} is outside 0..{self.world_size - 1} (or -1)"
+            )
+        mine = snapshot_shard({**self.optim.state, **self._parked_state}, self._partition)
+        recipients = range(self.world_size) if recipient_rank == -1 else [recipient_rank]
+        received = _comm.exchange_objects({r: mine for r in recipients if r != self.rank}, self.group)
+        if self.rank not in recipients:
+            self._consolidated = None
+            return
+        merged = dict(mine)
+        for shard in received.values():
+            merged.update(shard)
+        self._push_hyperparams()
+        self._consolidated = full_state_dict(merged, self.param_groups)
+
+    def state_dict(self, all_ranks: bool = False) -> dict[str, Any]:
+        """The full optimizer state in torch's format, as last consolidated on this rank.
+
+        With ``all_ranks=True`` it consolidates on every rank first (collective).
+        """
+        if all_ranks:
+            self.consolidate_state_dict(recipient_rank=-1)
+        if self._consolidated is None:
+            raise RuntimeError(
+                f"rank {self.rank}: no consolidated optimizer state on this rank since the last "
+                f"step; call consolidate_state_dict(recipient_rank={self.rank}) on all ranks "
+                "first, or state_dict(all_ranks=True)"
+            )
+        return self._consolidated
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a full torch-format state dict (from OSS or a plain optimizer, any world size).
+
+        Every rank passes the same full dict and keeps the state of the parameters it owns,
+        moved to their device. Hyperparameters of each group are restored too.
+        """
+        states = states_by_param(state_dict, self._partition, self.rank)
+        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
+            group.update(_hyperparams(saved))
+        self._push_hyperparams()
+        self.optim.state.clear()
+        self._parked_state.clear()
+        owner = self._partition.owner_of()
+        group_of = {p: g for g in self.param_groups for p in g["params"]}
+        for param, state in states.items():
+            if owner[param] == self.rank:
+                self._parked_state[param] = restore_state(state, param, group_of[param])
+        self._install(self._partition)
+        self._consolidated = None
+
+    # ------------------------------------------------------------------------- internals
+
+    def _push_hyperparams(self) -> None:
+        """Copy hyperparameters set on ``self.param_groups`` (by users, schedulers) inward."""
+        for outer, inner in zip(self.param_groups, self.optim.param_groups):
+            inner.update(_hyperparams(outer))
+
+    def _pull_hyperparams(self) -> None:
+        """Copy hyperparameters the wrapped optimizer set or added outward."""
+        for outer, inner in zip(self.param_groups, self.optim.param_groups):
+            outer.update(_hyperparams(inner))
+
+    def _check_new_group(self, params: list[Any]) -> None:
+        """Raise unless ``params`` are valid parameters that no existing group holds."""
+        where = f"param group {len(self.param_groups)}"
+        check_param_list(params, where, self.rank)
+        group_of = {p: g for g, group in enumerate(self.param_groups) for p in group["params"]}
+        for i, p in enumerate(params):
+            if p in group_of:
+                raise ValueError(
+                    f"rank {self.rank}: {where}, parameter {i} (shape {tuple(p.shape)}) is "
+                    f"already in param group {group_of[p]}; a parameter may be in one group only"
+                )
+
+    def _check_same_params_on_all_ranks(self) -> None:
+        named = [
+            (f"param group {g}, parameter {i}", p)
+            for g, group in enumerate(self.param_groups)
+            for i, p in enumerate(group["params"])
+        ]
+        check_same_across_ranks(named, self.group, "OSS parameters")
+
+    def _warn_trainability_changed_once(self) -> None:
+        if not self._warned_trainability_change:
+            logger.warning(
+                "OSS: requires_grad changed on some parameters; re-partitioning. Call "
+                "refresh_trainable() after changing requires_grad to do this explicitly."
+            )
+            self._warned_trainability_change = True
+
+
+def _check_optimizer_class(optim: Any) -> None:
+    if not (isinstance(optim, type) and issubclass(optim, Optimizer)):
+        raise TypeError(
+            f"optim must be a torch.optim.Optimizer subclass such as torch.optim.AdamW, got {optim!r}"
+        )
+    if issubclass(optim, OSS):
+        raise TypeError("optim must be a plain optimizer class, not OSS itself")
+    if issubclass(optim, torch.optim.LBFGS):
+        raise TypeError(
+            "LBFGS re-evaluates the closure a data-dependent number of times per step, which "
+            "sharded ranks cannot agree on; use a first-order optimizer"
+        )
+
+
+def _as_param_groups(params: ParamsArg, rank: int) -> list[dict[str, Any]]:
+    """``params`` as a list of param-group dicts (validated as each group is added)."""
+    if isinstance(params, torch.Tensor):
+        raise TypeError(
+            f"rank {rank}: params should be an iterable of tensors or dicts, got a single tensor"
+        )
+    groups = list(params)
+    if not groups:
+        raise ValueError(f"rank {rank}: OSS got an empty parameter list")
+    return groups if isinstance(groups[0], dict) else [{"params": groups}]
+
+
+def _param_list(group: Any) -> list[Any]:
+    if not isinstance(group, dict) or "params" not in group:
+        raise TypeError(f"a param group must be a dict with a 'params' entry, got {group!r:.80}")
+    params = group["params"]
+    return [params] if isinstance(params, torch.Tensor) else list(params)
+
+
+def _hyperparams(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def _local_norm_term(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    """This rank's contribution to the global norm: max |g| for inf, else sum |g|^p."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch.stack(
+        [torch.linalg.vector_norm(g.detach(), norm_type).to(device, torch.float32) for g in grads]
+    )
+    if norm_type == float("inf"):
+        return norms.max()
+    return (norms**norm_type).sum()
