@@ -10,14 +10,14 @@ place with no copy. All broadcasts are issued asynchronously and waited on toget
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
 from . import _comm
 from ._flat import flatten, group_by_device_and_dtype, plan_buckets, unflatten_into
 
-__all__ = ["Bucket", "plan_broadcasts", "broadcast_buckets"]
+__all__ = ["Bucket", "PendingBroadcasts", "plan_broadcasts", "broadcast_buckets", "start_broadcasts"]
 
 
 @dataclass(frozen=True)
@@ -51,27 +51,47 @@ def broadcast_buckets(
     type: half the bytes, and receivers get the sender's values rounded to it. The sender keeps
     its exact values, so rounding never accumulates from step to step.
     """
-    if _comm.group_size(group) == 1:
-        return
+    start_broadcasts(buckets, group, wire_dtype).wait()
+
+
+class PendingBroadcasts:
+    """Broadcasts in flight; :meth:`wait` completes them and unpacks what was received."""
+
+    def __init__(self, me: int, in_flight: list[tuple[Bucket, torch.Tensor, bool, Any]]) -> None:
+        self._me = me
+        self._in_flight = in_flight
+
+    def wait(self) -> None:
+        for bucket, message, in_place, work in self._in_flight:
+            work.wait()
+            if self._me != bucket.src and not in_place:
+                with torch.profiler.record_function("sharded::unpack_broadcast"):
+                    unflatten_into(message, bucket.tensors)
+        self._in_flight = []
+
+
+def start_broadcasts(
+    buckets: Sequence[Bucket],
+    group: _comm.ProcessGroup,
+    wire_dtype: Optional[torch.dtype] = None,
+) -> PendingBroadcasts:
+    """Issue the broadcasts of :func:`broadcast_buckets` without waiting for them."""
     me = _comm.group_rank(group)
     in_flight = []
-    for bucket in buckets:
-        dtype = _wire_dtype_for(bucket.tensors[0].dtype, wire_dtype)
-        in_place = len(bucket.tensors) == 1 and dtype == bucket.tensors[0].dtype
-        if in_place:
-            message = bucket.tensors[0].detach()
-        elif me == bucket.src:
-            message = flatten(bucket.tensors, dtype)
-        else:
-            numel = sum(t.numel() for t in bucket.tensors)
-            message = torch.empty(numel, dtype=dtype, device=bucket.tensors[0].device)
-        work = _comm.broadcast(message, bucket.src, group)
-        in_flight.append((bucket, message, in_place, work))
-    for bucket, message, in_place, work in in_flight:
-        work.wait()
-        if me != bucket.src and not in_place:
-            with torch.profiler.record_function("sharded::unpack_broadcast"):
-                unflatten_into(message, bucket.tensors)
+    if _comm.group_size(group) > 1:
+        for bucket in buckets:
+            dtype = _wire_dtype_for(bucket.tensors[0].dtype, wire_dtype)
+            in_place = len(bucket.tensors) == 1 and dtype == bucket.tensors[0].dtype
+            if in_place:
+                message = bucket.tensors[0].detach()
+            elif me == bucket.src:
+                message = flatten(bucket.tensors, dtype)
+            else:
+                numel = sum(t.numel() for t in bucket.tensors)
+                message = torch.empty(numel, dtype=dtype, device=bucket.tensors[0].device)
+            work = _comm.broadcast(message, bucket.src, group)
+            in_flight.append((bucket, message, in_place, work))
+    return PendingBroadcasts(me, in_flight)
 
 
 def _wire_dtype_for(dtype: torch.dtype, wire_dtype: Optional[torch.dtype]) -> torch.dtype:
