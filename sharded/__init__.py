@@ -1,9 +1,16 @@
-"""sharded: ZeRO-style sharding of optimizer state, gradients and parameters for PyTorch."""
+"""sharded: ZeRO-style sharding of optimizer state, gradients and parameters for PyTorch.
+
+``OSS`` shards optimizer state (ZeRO-1); ``ShardedDataParallel`` adds gradient sharding
+(ZeRO-2); ``ShardedGradScaler`` makes mixed precision agree across shards. The names and
+signatures follow fairscale, so ``from sharded import OSS, ShardedDataParallel`` is a drop-in.
+"""
 
 from __future__ import annotations
 
+from .grad_scaler import ShardedGradScaler
 from .oss import OSS
+from .sharded_ddp import ShardedDataParallel
 
 __version__ = "0.1.0"
 
-__all__ = ["OSS", "__version__"]
+__all__ = ["OSS", "ShardedDataParallel", "ShardedGradScaler", "__version__"]

@@ -1,0 +1,253 @@
+"""Layer 2, ZeRO-2: the module wrapper that shards gradients.
+
+``ShardedDataParallel`` is what users put where ``DistributedDataParallel`` was. It holds the
+configuration and the pieces: the parameter ownership comes from the ``OSS`` optimizers'
+partitions, gradient routing from :class:`sharded._grad_router.GradRouter`, buffer and model
+broadcasts from :mod:`sharded._broadcast`. It has no collective code of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Iterator, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import _comm
+from ._broadcast import PendingBroadcasts, broadcast_buckets, plan_broadcasts, start_broadcasts
+from ._checks import check_same_across_ranks
+from ._grad_router import GradRouter
+from .oss import OSS
+
+__all__ = ["ShardedDataParallel"]
+
+logger = logging.getLogger(__name__)
+
+
+class ShardedDataParallel(nn.Module):
+    """Data parallelism with sharded gradients (ZeRO stage 2), with fairscale's interface.
+
+    Like DDP, every rank runs forward and backward on its own batch. Unlike DDP, each gradient
+    is *reduced* (not all-reduced) to the one rank whose ``OSS`` optimizer owns its parameter,
+    in size-bounded buckets overlapped with the rest of backward; the other ranks release it.
+    After backward the owner holds the averaged gradient, ``OSS.step()`` updates the owned
+    shard and broadcasts the new values.
+
+    Args:
+        module: the model, identical on every rank.
+        sharded_optimizer: the ``OSS`` optimizer (or a list of them over disjoint parameters)
+            covering every trainable parameter of ``module``.
+        process_group: the group to reduce over; must be the optimizers' group.
+        broadcast_buffers: broadcast buffers (e.g. BatchNorm statistics) from rank 0 before each
+            forward, except inside :meth:`no_sync`.
+        sync_models_at_startup: broadcast parameters and buffers from rank 0 once, now.
+        reduce_buffer_size: most elements per gradient bucket; ``0`` reduces each alone.
+        auto_refresh_trainable: notice ``requires_grad`` changes at the next forward and
+            re-partition (see :meth:`refresh_trainable`).
+        reduce_fp16: reduce fp32 gradients as fp16 (half the bytes); bf16 gradients stay bf16.
+        warn_on_trainable_params_changed: log once when an automatic refresh happens.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        sharded_optimizer: Union[OSS, Sequence[OSS]],
+        process_group: Optional[dist.ProcessGroup] = None,
+        broadcast_buffers: bool = True,
+        sync_models_at_startup: bool = True,
+        reduce_buffer_size: int = 2**23,
+        auto_refresh_trainable: bool = True,
+        reduce_fp16: bool = False,
+        warn_on_trainable_params_changed: bool = True,
+    ) -> None:
+        super().__init__()
+        self.module = module
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.sharded_optimizers = _as_optimizer_list(sharded_optimizer, self.process_group)
+        self.rank = _comm.group_rank(self.process_group)
+        self.world_size = _comm.group_size(self.process_group)
+        self.broadcast_buffers = broadcast_buffers
+        self.reduce_buffer_size = reduce_buffer_size
+        self.auto_refresh_trainable = auto_refresh_trainable
+        self.reduce_fp16 = reduce_fp16
+        self.warn_on_trainable_params_changed = warn_on_trainable_params_changed
+        self._warned_trainability_change = False
+        self._sync_enabled = True
+
+        check_same_across_ranks(
+            list(module.named_parameters()) + list(module.named_buffers()),
+            self.process_group,
+            "ShardedDataParallel module parameters and buffers",
+        )
+        if sync_models_at_startup:
+            self._broadcast_from_rank0(list(module.parameters()) + list(module.buffers()))
+        for optimizer in self.sharded_optimizers:
+            optimizer.register_step_post_hook(self._on_optimizer_step)
+        self._router = self._build_router()
+
+    # --------------------------------------------------------------------------- forward
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Refresh after ``requires_grad`` changes, sync buffers, run the wrapped module."""
+        if self.auto_refresh_trainable and self._trainability_changed():
+            self._warn_trainability_changed_once()
+            self.refresh_trainable()
+        if self.broadcast_buffers and self._sync_enabled:
+            self.sync_buffers(blocking=True)
+        return self.module(*inputs, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        """Attributes not found on the wrapper come from the wrapped module."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("module"), name)
+
+    # -------------------------------------------------------------------- gradient control
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally, with no communication at all, inside this context.
+
+        The first backward after it reduces the accumulated sums (as DDP's ``no_sync``).
+        """
+        previous = self._sync_enabled
+        self._set_sync(False)
+        try:
+            yield
+        finally:
+            self._set_sync(previous)
+
+    def reduce(self) -> None:
+        """Reduce the gradients the parameters hold now to their owners. Collective.
+
+        Only needed when gradients were produced without the automatic reduction, e.g. after
+        backward passes that all ran inside :meth:`no_sync`.
+        """
+        self._router.reduce_current_grads()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero (or release) the gradients of the wrapped module's parameters."""
+        self.module.zero_grad(set_to_none=set_to_none)
+        self._router.mark_grads_consumed()
+
+    def refresh_trainable(self) -> None:
+        """Re-partition and rebuild buckets and hooks after ``requires_grad`` changed. Collective.
+
+        All ranks must change the same parameters; the optimizers move state to the new owners.
+        """
+        for optimizer in self.sharded_optimizers:
+            optimizer.refresh_trainable()
+        self._router.remove_hooks()
+        self._router = self._build_router()
+
+    # --------------------------------------------------------------------- buffers, device
+
+    def sync_buffers(self, blocking: bool = False) -> Optional[PendingBroadcasts]:
+        """Broadcast the module's buffers from rank 0. Collective.
+
+        Returns the broadcasts in flight when ``blocking`` is False; call ``wait()`` on them
+        before the buffers are read.
+        """
+        buffers = list(self.module.buffers())
+        pending = start_broadcasts(plan_broadcasts([buffers], self.reduce_buffer_size), self.process_group)
+        if not blocking:
+            return pending
+        pending.wait()
+        return None
+
+    def to(  # type: ignore[override]
+        self,
+        device: Optional[Union[torch.device, str]] = None,
+        dtype: Optional[torch.dtype] = None,
+        non_blocking: bool = False,
+    ) -> ShardedDataParallel:
+        """Move or cast the wrapped module, then rebuild buckets for the new device or dtype."""
+        self.module.to(device=device, dtype=dtype, non_blocking=non_blocking)
+        self.refresh_trainable()
+        return self
+
+    # -------------------------------------------------------------------------- internals
+
+    def _build_router(self) -> GradRouter:
+        trainable = self._trainable_params_covered_by_optimizers()
+        owner_of: dict[torch.Tensor, int] = {}
+        for optimizer in self.sharded_optimizers:
+            owner_of.update(optimizer.param_to_rank)
+        self._trainability = tuple(p.requires_grad for p in self.module.parameters())
+        router = GradRouter(
+            list(reversed(trainable)),  # gradients arrive roughly in reverse definition order
+            owner_of,
+            self.process_group,
+            self.reduce_buffer_size,
+            self.reduce_fp16,
+        )
+        router.sync_enabled = self._sync_enabled
+        return router
+
+    def _trainable_params_covered_by_optimizers(self) -> list[torch.Tensor]:
+        """The trainable parameters; raise naming any that no optimizer holds."""
+        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError(
+                f"rank {self.rank}: the module has no trainable parameters; "
+                "ShardedDataParallel has nothing to reduce"
+            )
+        held = {p for optimizer in self.sharded_optimizers for p in optimizer.partition.params}
+        missing = [n for n, p in named if p not in held]
+        if missing:
+            raise ValueError(
+                f"rank {self.rank}: {len(missing)} trainable parameter(s) are in no sharded "
+                f"optimizer: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}. Pass "
+                "every trainable parameter to an OSS optimizer, or freeze it"
+            )
+        return [p for _, p in named]
+
+    def _trainability_changed(self) -> bool:
+        return self._trainability != tuple(p.requires_grad for p in self.module.parameters())
+
+    def _warn_trainability_changed_once(self) -> None:
+        if self.warn_on_trainable_params_changed and not self._warned_trainability_change:
+            logger.warning(
+                "ShardedDataParallel: requires_grad changed on some parameters; re-partitioning "
+                "and rebuilding buckets (silence with warn_on_trainable_params_changed=False)"
+            )
+            self._warned_trainability_change = True
+
+    def _set_sync(self, enabled: bool) -> None:
+        self._sync_enabled = enabled
+        self._router.sync_enabled = enabled
+
+    def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._router.mark_grads_consumed()
+
+    def _broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            buckets = plan_broadcasts([tensors], self.reduce_buffer_size)
+            broadcast_buckets(buckets, self.process_group)
+
+
+def _as_optimizer_list(
+    sharded_optimizer: Union[OSS, Sequence[OSS]], group: dist.ProcessGroup
+) -> list[OSS]:
+    optimizers = (
+        list(sharded_optimizer) if isinstance(sharded_optimizer, (list, tuple)) else [sharded_optimizer]
+    )
+    if not optimizers:
+        raise ValueError("ShardedDataParallel needs at least one OSS optimizer")
+    for i, optimizer in enumerate(optimizers):
+        if not isinstance(optimizer, OSS):
+            raise TypeError(
+                f"sharded_optimizer[{i}] is a {type(optimizer).__name__}; ShardedDataParallel "
+                "needs sharded.OSS optimizers (use DistributedDataParallel for plain ones)"
+            )
+        if dist.get_process_group_ranks(optimizer.group) != dist.get_process_group_ranks(group):
+            raise ValueError(
+                f"sharded_optimizer[{i}] shards over ranks {dist.get_process_group_ranks(optimizer.group)} "
+                f"but ShardedDataParallel reduces over {dist.get_process_group_ranks(group)}; "
+                "pass the same process group to both"
+            )
+    return optimizers
