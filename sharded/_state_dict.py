@@ -82,10 +82,11 @@ def states_by_param(
 
 
 def restore_state(state: Mapping[str, Any], param: torch.Tensor, group: Mapping[str, Any]) -> ParamState:
-    """``state`` moved next to ``param``, following torch's loading rules.
+    """A copy of ``state`` next to ``param``, following torch's loading rules.
 
     Floating-point state takes the parameter's device and dtype; ``step`` counters stay where
     they were saved unless the group is ``capturable`` or ``fused`` (those keep them on device).
+    Tensors are always copied, so stepping never writes into the caller's state dict.
     """
     return {key: _restore_value(key, value, param, group) for key, value in state.items()}
 
@@ -95,11 +96,11 @@ def _restore_value(key: str, value: Any, param: torch.Tensor, group: Mapping[str
         return value
     if key == "step":
         if group.get("capturable") or group.get("fused"):
-            return value.to(device=param.device, dtype=torch.float32)
-        return value
+            return value.to(device=param.device, dtype=torch.float32, copy=True)
+        return value.clone()
     if param.is_floating_point() and value.is_floating_point():
-        return value.to(device=param.device, dtype=param.dtype)
-    return value.to(device=param.device)
+        return value.to(device=param.device, dtype=param.dtype, copy=True)
+    return value.to(device=param.device, copy=True)
 
 
 def _check_state_shapes(state: Mapping[str, Any], param: torch.Tensor, index: int, rank: int) -> None:
