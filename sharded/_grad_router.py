@@ -196,7 +196,7 @@ class GradRouter:
     # ---------------------------------------------------------------------- bucket life
 
     def _begin_backward(self, current: Optional[torch.Tensor], queue_flush: bool) -> None:
-        if self.phase is Phase.REDUCED and not self._owned_grads_cleared(except_param=current):
+        if self.phase is Phase.REDUCED and not self._grads_cleared_on_every_rank(current):
             raise RuntimeError(
                 f"rank {self.rank}: backward ran again after the gradients were reduced and "
                 "before optimizer.step() or zero_grad(); non-owner ranks have already released "
@@ -261,12 +261,19 @@ class GradRouter:
             elif p.grad is not None:
                 p.grad.zero_()
 
-    def _owned_grads_cleared(self, except_param: Optional[torch.Tensor]) -> bool:
-        """Whether zero_grad() ran since the last reduce (the owner's gradients are gone or zero)."""
-        return all(
+    def _grads_cleared_on_every_rank(self, except_param: Optional[torch.Tensor]) -> bool:
+        """Whether zero_grad() ran since the last reduce: every owner's gradients are gone or zero.
+
+        Only reached when a backward starts without a step since the last one (e.g. GradScaler
+        skipped it), so the one small collective that makes all ranks decide alike is cheap.
+        """
+        cleared = all(
             p.grad is None or not p.grad.any()
             for bucket in self.buckets
             if bucket.owner == self.rank
             for p in bucket.params
             if p is not except_param
         )
+        flag = torch.tensor([float(cleared)], device=_comm.comm_device(self.group))
+        _comm.all_reduce(flag, self.group, dist.ReduceOp.MIN)
+        return bool(flag.item())
