@@ -1,0 +1,5 @@
+"""All metadata lives in setup.cfg."""
+
+from setuptools import setup
+
+setup()
