@@ -1,0 +1,73 @@
+"""ShardedGradScaler: AMP with sharded gradients, every rank skipping or stepping together."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from sharded import OSS, ShardedGradScaler
+from tests._harness import assert_same_on_all_ranks, run_on_ranks
+from tests._models import gpt_loss, token_batch
+from tests.test_oss import _assert_close
+from tests.test_sharded_ddp import STEPS, _pair
+
+INF_STEP = 2
+
+
+def _check_amp_skips_together(rank, world, amp_dtype):
+    ref, ref_opt, ours, our_opt = _pair()
+    scalers = {id(ref): torch.amp.GradScaler("cpu", init_scale=2.0**10),
+               id(ours): ShardedGradScaler(init_scale=2.0**10, device="cpu")}
+    head_owner = our_opt.param_to_rank[ours.module.head.weight]
+    for step in range(STEPS):
+        for model, opt in ((ref, ref_opt), (ours, our_opt)):
+            scaler = scalers[id(model)]
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=amp_dtype):
+                loss = gpt_loss(model, token_batch(rank, step))
+            poison = None
+            if step == INF_STEP and rank == world - 1:
+                # one rank's gradient of one parameter overflows: after the reduce only that
+                # parameter's owner sees the inf
+                poison = model.module.head.weight.register_hook(lambda g: torch.full_like(g, float("inf")))
+            scaler.scale(loss).backward()
+            if poison is not None:
+                poison.remove()
+            before = [p.detach().clone() for p in model.parameters()]
+            if model is ours and step == INF_STEP and rank != head_owner:
+                local = [p.grad for p in model.parameters() if p.grad is not None]
+                assert all(torch.isfinite(g).all() for g in local), "this rank should see no inf"
+            scaler.step(opt)
+            scaler.update()
+            if step == INF_STEP:
+                unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+                assert unchanged, f"rank {rank} stepped although a shard overflowed"
+    assert scalers[id(ours)].get_scale() == scalers[id(ref)].get_scale() == 2.0**9
+    assert_same_on_all_ranks(list(ours.parameters()), "replicas after AMP")
+    _assert_close(ours.module, ref.module, f"AMP {amp_dtype}")
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("amp_dtype", [torch.bfloat16, torch.float16])
+def test_amp_with_sharded_grad_scaler_skips_on_every_rank(world_size, amp_dtype):
+    run_on_ranks(_check_amp_skips_together, world_size, amp_dtype)
+
+
+def _check_rank_without_parameters(rank, world):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)  # two parameters: at world 3, rank 2 owns nothing
+    opt = OSS(model.parameters(), torch.optim.SGD, lr=0.1)
+    scaler = ShardedGradScaler(init_scale=4.0, device="cpu")
+    ddp = DDP(model)
+    for step in range(3):
+        opt.zero_grad()
+        scaler.scale(ddp(torch.randn(2, 4)).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+    assert_same_on_all_ranks(list(model.parameters()), "replicas")
+
+
+def test_a_rank_that_owns_nothing_steps_with_the_others():
+    run_on_ranks(_check_rank_without_parameters, 3)

@@ -1,0 +1,56 @@
+"""Bad use of ShardedDataParallel raises a clear error on every rank instead of hanging."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sharded import OSS, ShardedDataParallel
+from tests._harness import run_on_ranks
+from tests._models import gpt, gpt_loss, token_batch
+
+
+def _check_construction_errors(rank, world):
+    frozen = gpt().requires_grad_(False)
+    with pytest.raises(ValueError, match=rf"rank {rank}: the module has no trainable parameters"):
+        ShardedDataParallel(frozen, OSS(frozen.parameters(), torch.optim.SGD, lr=0.1))
+
+    model = gpt()
+    body = [p for n, p in model.named_parameters() if n != "head.weight"]
+    with pytest.raises(ValueError, match=r"1 trainable parameter\(s\) are in no sharded optimizer: head.weight"):
+        ShardedDataParallel(model, OSS(body, torch.optim.SGD, lr=0.1))
+
+    with pytest.raises(TypeError, match="needs sharded.OSS optimizers"):
+        ShardedDataParallel(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+    if world > 1:
+        odd = gpt()
+        if rank == 0:
+            odd.register_buffer("extra", torch.zeros(3))
+        with pytest.raises(ValueError, match="differ across ranks: different counts"):
+            ShardedDataParallel(odd, OSS(odd.parameters(), torch.optim.SGD, lr=0.1))
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_bad_construction_raises_clear_errors(world_size):
+    run_on_ranks(_check_construction_errors, world_size)
+
+
+def _check_second_backward(rank, world):
+    model = gpt()
+    opt = OSS(model.parameters(), torch.optim.SGD, lr=0.1)
+    sdp = ShardedDataParallel(model, opt)
+    gpt_loss(sdp, token_batch(rank, 0)).backward()
+    with pytest.raises(RuntimeError, match="backward ran again after the gradients were reduced"):
+        gpt_loss(sdp, token_batch(rank, 1)).backward()
+    # zeroing the gradients (a skipped step, as GradScaler does on overflow) makes it legal again
+    for set_to_none in (True, False):
+        opt.zero_grad(set_to_none=set_to_none)
+        gpt_loss(sdp, token_batch(rank, 2)).backward()
+    opt.step()
+    gpt_loss(sdp, token_batch(rank, 3)).backward()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_backward_twice_without_step_raises_instead_of_corrupting(world_size):
+    run_on_ranks(_check_second_backward, world_size)
