@@ -10,15 +10,56 @@ and the ranks that differ.
 from __future__ import annotations
 
 import zlib
-from typing import Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
 from . import _comm
 
-__all__ = ["check_param_list", "check_same_across_ranks"]
+__all__ = [
+    "as_param_groups",
+    "check_optimizer_class",
+    "check_param_list",
+    "check_same_across_ranks",
+    "param_list",
+]
 
 _MAX_DIMS = 16
+
+
+def check_optimizer_class(optim: Any) -> None:
+    """Raise unless ``optim`` is a plain first-order torch optimizer class that OSS can shard."""
+    if not (isinstance(optim, type) and issubclass(optim, torch.optim.Optimizer)):
+        raise TypeError(
+            f"optim must be a torch.optim.Optimizer subclass such as torch.optim.AdamW, got {optim!r}"
+        )
+    if getattr(optim, "partition_parameters", None) is not None:
+        raise TypeError("optim must be a plain optimizer class, not a sharded one")
+    if issubclass(optim, torch.optim.LBFGS):
+        raise TypeError(
+            "LBFGS re-evaluates the closure a data-dependent number of times per step, which "
+            "sharded ranks cannot agree on; use a first-order optimizer"
+        )
+
+
+def as_param_groups(params: Iterable[Any], rank: int) -> list[dict[str, Any]]:
+    """``params`` as a list of param-group dicts (validated as each group is added)."""
+    if isinstance(params, torch.Tensor):
+        raise TypeError(
+            f"rank {rank}: params should be an iterable of tensors or dicts, got a single tensor"
+        )
+    groups = list(params)
+    if not groups:
+        raise ValueError(f"rank {rank}: OSS got an empty parameter list")
+    return groups if isinstance(groups[0], dict) else [{"params": groups}]
+
+
+def param_list(group: Any) -> list[Any]:
+    """The ``params`` entry of a param-group dict, as a list."""
+    if not isinstance(group, dict) or "params" not in group:
+        raise TypeError(f"a param group must be a dict with a 'params' entry, got {group!r:.80}")
+    params = group["params"]
+    return [params] if isinstance(params, torch.Tensor) else list(params)
 
 
 def check_param_list(params: Sequence[object], where: str, rank: int) -> None:

@@ -12,7 +12,7 @@ back with ``weights_only=True``: a peer's bytes are data, never code.
 from __future__ import annotations
 
 import io
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -71,13 +71,6 @@ def all_gather_lengths(length: int, group: ProcessGroup) -> list[int]:
     return [int(t.item()) for t in all_gather(mine, group)]
 
 
-def wait_all(works: Sequence[Optional[dist.Work]]) -> None:
-    """Wait for every pending collective in ``works``."""
-    for work in works:
-        if work is not None:
-            work.wait()
-
-
 # --------------------------------------------------------------------- objects as bytes
 
 
@@ -113,21 +106,6 @@ def recv_object(src: int, group: ProcessGroup) -> Any:
     payload = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
     dist.recv(payload, src=global_rank(group, src), group=group)
     return bytes_to_object(payload)
-
-
-def broadcast_object(obj: Any, src: int, group: ProcessGroup) -> Any:
-    """``obj`` from ``group``'s rank ``src`` on every rank (``obj`` is ignored elsewhere)."""
-    device = comm_device(group)
-    if group_rank(group) == src:
-        payload = object_to_bytes(obj, device)
-        length = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
-    else:
-        length = torch.empty(1, dtype=torch.int64, device=device)
-    broadcast(length, src, group, async_op=False)
-    if group_rank(group) != src:
-        payload = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
-    broadcast(payload, src, group, async_op=False)
-    return obj if group_rank(group) == src else bytes_to_object(payload)
 
 
 def exchange_objects(outgoing: dict[int, Any], group: ProcessGroup) -> dict[int, Any]:

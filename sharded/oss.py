@@ -19,7 +19,7 @@ from torch.optim import Optimizer
 
 from . import _comm
 from ._broadcast import broadcast_buckets, plan_broadcasts
-from ._checks import check_param_list, check_same_across_ranks
+from ._checks import as_param_groups, check_optimizer_class, check_param_list, check_same_across_ranks, param_list
 from ._partition import Partition
 from ._state_dict import full_state_dict, restore_state, snapshot_shard, states_by_param
 
@@ -27,7 +27,6 @@ __all__ = ["OSS"]
 
 logger = logging.getLogger(__name__)
 
-ParamsArg = Union[Iterable[torch.Tensor], Iterable[dict[str, Any]]]
 
 
 class OSS(Optimizer):
@@ -62,7 +61,7 @@ class OSS(Optimizer):
 
     def __init__(
         self,
-        params: ParamsArg,
+        params: Union[Iterable[torch.Tensor], Iterable[dict[str, Any]]],
         optim: type[Optimizer] = torch.optim.SGD,
         group: Optional[dist.ProcessGroup] = None,
         broadcast_buffer_size: int = 2**23,
@@ -70,7 +69,7 @@ class OSS(Optimizer):
         force_broadcast_object: bool = False,
         **defaults: Any,
     ) -> None:
-        _check_optimizer_class(optim)
+        check_optimizer_class(optim)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "OSS needs torch.distributed: call torch.distributed.init_process_group() first"
@@ -86,7 +85,7 @@ class OSS(Optimizer):
         self._parked_state: dict[torch.Tensor, dict[str, Any]] = {}
         self._warned_trainability_change = False
 
-        super().__init__(_as_param_groups(params, self.rank), defaults)
+        super().__init__(as_param_groups(params, self.rank), defaults)
         self._check_same_params_on_all_ranks()
         partition = Partition.build([g["params"] for g in self.param_groups], self.world_size)
         owned = partition.owned_by_group(self.rank)
@@ -194,7 +193,7 @@ class OSS(Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group; existing parameters keep their owner. Collective after construction."""
-        params = _param_list(param_group)
+        params = param_list(param_group)
         self._check_new_group(params)
         param_group = {**param_group, "params": params}
         super().add_param_group(param_group)
@@ -350,39 +349,6 @@ class OSS(Optimizer):
                 "refresh_trainable() after changing requires_grad to do this explicitly."
             )
             self._warned_trainability_change = True
-
-
-def _check_optimizer_class(optim: Any) -> None:
-    if not (isinstance(optim, type) and issubclass(optim, Optimizer)):
-        raise TypeError(
-            f"optim must be a torch.optim.Optimizer subclass such as torch.optim.AdamW, got {optim!r}"
-        )
-    if issubclass(optim, OSS):
-        raise TypeError("optim must be a plain optimizer class, not OSS itself")
-    if issubclass(optim, torch.optim.LBFGS):
-        raise TypeError(
-            "LBFGS re-evaluates the closure a data-dependent number of times per step, which "
-            "sharded ranks cannot agree on; use a first-order optimizer"
-        )
-
-
-def _as_param_groups(params: ParamsArg, rank: int) -> list[dict[str, Any]]:
-    """``params`` as a list of param-group dicts (validated as each group is added)."""
-    if isinstance(params, torch.Tensor):
-        raise TypeError(
-            f"rank {rank}: params should be an iterable of tensors or dicts, got a single tensor"
-        )
-    groups = list(params)
-    if not groups:
-        raise ValueError(f"rank {rank}: OSS got an empty parameter list")
-    return groups if isinstance(groups[0], dict) else [{"params": groups}]
-
-
-def _param_list(group: Any) -> list[Any]:
-    if not isinstance(group, dict) or "params" not in group:
-        raise TypeError(f"a param group must be a dict with a 'params' entry, got {group!r:.80}")
-    params = group["params"]
-    return [params] if isinstance(params, torch.Tensor) else list(params)
 
 
 def _hyperparams(group: dict[str, Any]) -> dict[str, Any]:
