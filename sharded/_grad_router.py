@@ -135,7 +135,7 @@ class GradRouter:
         self.sync_enabled = True
         self._fills: list[Optional[_Fill]] = []
         self._next_launch = 0
-        self._in_flight: deque[tuple[int, _Fill, Optional[dist.Work]]] = deque()
+        self._in_flight: deque[tuple[int, _Fill, dist.Work]] = deque()
         # On one rank every gradient is already complete where autograd put it.
         self._hooks = [
             p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, index, slot))
@@ -215,23 +215,31 @@ class GradRouter:
         fill.seal(bucket)
         self._fills[index] = None
         self._next_launch = index + 1
-        work = None
-        if self.world_size > 1:
-            with torch.profiler.record_function("sharded::reduce_bucket"):
-                work = dist.reduce(
-                    fill.buffer,
-                    dst=_comm.global_rank(self.group, bucket.owner),
-                    op=dist.ReduceOp.SUM,
-                    group=self.group,
-                    async_op=True,
-                )
+        with torch.profiler.record_function("sharded::reduce_bucket"):
+            work = dist.reduce(
+                fill.buffer,
+                dst=_comm.global_rank(self.group, bucket.owner),
+                op=dist.ReduceOp.SUM,
+                group=self.group,
+                async_op=True,
+            )
         self._in_flight.append((index, fill, work))
-        self._finish_completed()
+        self._release_sent_buckets()
 
-    def _finish_completed(self) -> None:
-        """Hand out the results of reduces that are done, oldest first, freeing their buffers."""
-        while self._in_flight and (self._in_flight[0][2] is None or self._in_flight[0][2].is_completed()):
-            self._finish(*self._in_flight.popleft())
+    def _release_sent_buckets(self) -> None:
+        """Free the buffers of buckets this rank has finished sending to another owner.
+
+        Owned buckets wait for the flush: reading their 'used' flags would make an accelerator
+        synchronise in the middle of backward.
+        """
+        still_in_flight = deque()
+        for entry in self._in_flight:
+            index, _, work = entry
+            if self.buckets[index].owner != self.rank and work.is_completed():
+                self._finish(*entry)
+            else:
+                still_in_flight.append(entry)
+        self._in_flight = still_in_flight
 
     def _flush(self) -> None:
         """End of backward: launch what is left, wait for every reduce, hand out the results."""
@@ -239,15 +247,12 @@ class GradRouter:
             for index in range(self._next_launch, len(self.buckets)):
                 self._launch(index)
             while self._in_flight:
-                index, fill, work = self._in_flight.popleft()
-                if work is not None:
-                    work.wait()
-                self._finish(index, fill, work)
+                self._finish(*self._in_flight.popleft())
         self.phase = Phase.REDUCED
 
-    def _finish(self, index: int, fill: _Fill, work: Optional[dist.Work]) -> None:
-        if work is not None:
-            work.wait()
+    def _finish(self, index: int, fill: _Fill, work: dist.Work) -> None:
+        """Wait for a bucket's reduce; the owner takes the results, everyone else lets go."""
+        work.wait()
         bucket = self.buckets[index]
         if bucket.owner != self.rank:
             for p in bucket.params:
