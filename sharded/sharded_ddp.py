@@ -87,6 +87,7 @@ class ShardedDataParallel(nn.Module):
         for optimizer in self.sharded_optimizers:
             optimizer.register_step_post_hook(self._on_optimizer_step)
         self._router = self._build_router()
+        self._trainability = self._current_trainability()
 
     # --------------------------------------------------------------------------- forward
 
@@ -143,6 +144,8 @@ class ShardedDataParallel(nn.Module):
             optimizer.refresh_trainable()
         self._router.remove_hooks()
         self._router = self._build_router()
+        self._trainability = self._current_trainability()
+        self._trainability = self._current_trainability()
 
     # --------------------------------------------------------------------- buffers, device
 
@@ -177,7 +180,6 @@ class ShardedDataParallel(nn.Module):
         owner_of: dict[torch.Tensor, int] = {}
         for optimizer in self.sharded_optimizers:
             owner_of.update(optimizer.param_to_rank)
-        self._trainability = tuple(p.requires_grad for p in self.module.parameters())
         router = GradRouter(
             list(reversed(trainable)),  # gradients arrive roughly in reverse definition order
             owner_of,
@@ -206,8 +208,11 @@ class ShardedDataParallel(nn.Module):
             )
         return [p for _, p in named]
 
+    def _current_trainability(self) -> tuple[bool, ...]:
+        return tuple(p.requires_grad for p in self.module.parameters())
+
     def _trainability_changed(self) -> bool:
-        return self._trainability != tuple(p.requires_grad for p in self.module.parameters())
+        return self._trainability != self._current_trainability()
 
     def _warn_trainability_changed_once(self) -> None:
         if self.warn_on_trainable_params_changed and not self._warned_trainability_change:
