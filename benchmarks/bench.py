@@ -1,0 +1,322 @@
+"""Side-by-side benchmark: DDP, torch ZeRO, fairscale and sharded, in one launch.
+
+    python benchmarks/bench.py                       # what `make bench` runs
+    python benchmarks/bench.py --sizes 10m --steps 6 # quicker
+
+World size 2 on gloo by default (NCCL when CUDA is present). For each GPT-style model size, every
+implementation keeps its own copy of the model and optimizer, and they take turns, a few steps
+each, round after round, so that drift in this shared machine's speed hits them all alike.
+
+Per implementation it reports: median step time and its ratio to DDP (each step's time is the
+slowest rank's); optimizer-state and gradient bytes held on each rank (gradients measured after
+backward, i.e. after reduction); peak RSS per rank (a separate short launch per implementation,
+so peaks don't mix); bytes and calls communicated per step, counted at the Python collective
+level as algorithmic bytes per rank (ring model: all-reduce moves 2(W-1)/W of its tensor, reduce,
+broadcast, all-gather and reduce-scatter (W-1)/W); DDP's gradient all-reduce runs in its C++
+reducer, out of Python's sight, so it is added from the gradient sizes. Finally the last loss and
+the largest parameter difference to DDP after the same batches: a fast but wrong result shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+IMPLS = {
+    "ddp": "torch DDP + Adam",
+    "torch_zero": "torch ZeroRedundancyOptimizer + DDP",
+    "fairscale": "fairscale OSS + ShardedDDP",
+    "zero1": "sharded OSS + DDP",
+    "zero2": "sharded OSS + ShardedDDP",
+}
+SIZES = {"10m": dict(dim=384, layers=6, batch=8, seq=128), "40m": dict(dim=640, layers=8, batch=4, seq=128)}
+COLLECTIVES = {"all_reduce": 2, "reduce": 1, "broadcast": 1, "all_gather": 1, "all_gather_into_tensor": 1,
+               "reduce_scatter_tensor": 1, "send": None, "recv": None}
+VOCAB = 256
+LR = 1e-3
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.fc, self.out = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+        self.heads = max(1, dim // 64)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in self.qkv(self.ln1(x)).split(d, -1))
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, dim: int, layers: int, seq: int) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(VOCAB, dim), nn.Embedding(seq, dim)
+        self.blocks = nn.Sequential(*[Block(dim) for _ in range(layers)])
+        self.ln, self.head = nn.LayerNorm(dim), nn.Linear(dim, VOCAB, bias=False)
+
+    def forward(self, tokens):
+        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+        return self.head(self.ln(self.blocks(x)))
+
+
+def make_model(size: str, device) -> GPT:
+    torch.manual_seed(0)
+    cfg = SIZES[size]
+    return GPT(cfg["dim"], cfg["layers"], cfg["seq"]).to(device)
+
+
+def tokens_for(size: str, step: int, rank: int, device) -> torch.Tensor:
+    cfg = SIZES[size]
+    g = torch.Generator().manual_seed(7919 * step + rank)
+    return torch.randint(0, VOCAB, (cfg["batch"], cfg["seq"] + 1), generator=g).to(device)
+
+
+def build(impl: str, model: nn.Module):
+    """(wrapped model, optimizer, set_to_none, local optimizer whose state this rank holds)."""
+    params = model.parameters()
+    if impl == "ddp":
+        opt = torch.optim.Adam(params, lr=LR)
+        return DDP(model), opt, True, opt
+    if impl == "torch_zero":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        opt = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.Adam, lr=LR)
+        return DDP(model), opt, True, opt.optim
+    if impl == "fairscale":
+        from fairscale.nn.data_parallel import ShardedDataParallel as FairscaleSDP
+        from fairscale.optim import OSS as FairscaleOSS
+
+        opt = FairscaleOSS(params, torch.optim.Adam, lr=LR)
+        # fairscale 0.4.13 computes wrong gradients with set_to_none=True and buckets on
+        return FairscaleSDP(model, opt), opt, False, opt.optim
+    from sharded import OSS, ShardedDataParallel
+
+    opt = OSS(params, torch.optim.Adam, lr=LR)
+    wrapped = DDP(model) if impl == "zero1" else ShardedDataParallel(model, opt)
+    return wrapped, opt, True, opt.optim
+
+
+def train_step(size, setup, step, rank, device):
+    wrapped, opt, set_to_none, _ = setup
+    tokens = tokens_for(size, step, rank, device)
+    opt.zero_grad(set_to_none=set_to_none)
+    logits = wrapped(tokens[:, :-1])
+    loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+    loss.backward()
+    grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in wrapped.parameters() if p.grad is not None)
+    opt.step()
+    return loss.item(), grad_bytes
+
+
+class CollectiveCounter:
+    """Counts calls and algorithmic bytes per rank of torch.distributed collectives."""
+
+    def __init__(self) -> None:
+        self.calls, self.bytes = 0, 0.0
+        self._saved = {}
+
+    def __enter__(self):
+        world = dist.get_world_size()
+        for name, factor in COLLECTIVES.items():
+            fn = self._saved[name] = getattr(dist, name)
+            setattr(dist, name, self._counting(fn, factor, world))
+        return self
+
+    def _counting(self, fn, factor, world):
+        def counted(tensor, *args, **kwargs):
+            t = tensor if torch.is_tensor(tensor) else args[0]
+            nbytes = t.numel() * t.element_size()
+            self.calls += 1
+            self.bytes += nbytes * (factor * (world - 1) / world if factor else 1)
+            return fn(tensor, *args, **kwargs)
+
+        return counted
+
+    def __exit__(self, *exc):
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
+
+
+def state_bytes(local_optimizer) -> int:
+    return sum(v.numel() * v.element_size() for s in local_optimizer.state.values() for v in s.values() if torch.is_tensor(v))
+
+
+def gather(value: float, device) -> list[float]:
+    mine = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    out = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, mine)
+    return [t.item() for t in out]
+
+
+def timing_rank(rank, world, args, store_path, results_path):
+    device = init_rank(rank, world, store_path)
+    report = {}
+    for size in args.sizes:
+        setups = {impl: build(impl, make_model(size, device)) for impl in args.impls}
+        times = {impl: [] for impl in args.impls}
+        losses, grads = {}, {}
+        step_of = {impl: 0 for impl in args.impls}
+        rounds = args.warmup + args.steps
+        for round_index in range(0, rounds, args.turn):
+            for impl in args.impls:
+                for _ in range(min(args.turn, rounds - round_index)):
+                    dist.barrier()
+                    start = time.perf_counter()
+                    losses[impl], grads[impl] = train_step(size, setups[impl], step_of[impl], rank, device)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    elapsed = max(gather(time.perf_counter() - start, device))
+                    if step_of[impl] >= args.warmup:
+                        times[impl].append(elapsed)
+                    step_of[impl] += 1
+        ref_params = list(setups["ddp"][0].parameters()) if "ddp" in setups else None
+        for impl in args.impls:
+            with CollectiveCounter() as counter:
+                train_step(size, setups[impl], step_of[impl], rank, device)
+            params = list(setups[impl][0].parameters())
+            diff = max((a - b).abs().max().item() for a, b in zip(params, ref_params)) if ref_params else float("nan")
+            ddp_bytes = 0.0
+            if impl in ("ddp", "torch_zero", "zero1"):  # DDP's C++ all-reduce of every gradient
+                ddp_bytes = sum(p.numel() * p.element_size() for p in params) * 2 * (world - 1) / world
+            report.setdefault(size, {})[impl] = {
+                "median_step_s": statistics.median(times[impl]),
+                "state_bytes": gather(state_bytes(setups[impl][3]), device),
+                "grad_bytes": gather(grads[impl], device),
+                "comm_calls_python": counter.calls,
+                "comm_bytes": counter.bytes + ddp_bytes,
+                "final_loss": losses[impl],
+                "max_param_diff_vs_ddp": diff,
+                "params": sum(p.numel() for p in params),
+            }
+        del setups
+    if rank == 0:
+        Path(results_path).write_text(json.dumps(report))
+    finish_rank()
+
+
+def memory_rank(rank, world, size, impl, store_path, results_path):
+    device = init_rank(rank, world, store_path)
+    setup = build(impl, make_model(size, device))
+    for step in range(3):
+        train_step(size, setup, step, rank, device)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peaks = gather(peak, device)
+    if rank == 0:
+        Path(results_path).write_text(json.dumps(peaks))
+    finish_rank()
+
+
+def init_rank(rank, world, store_path) -> torch.device:
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("nccl" if use_cuda else "gloo", store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(minutes=10))
+    return torch.device("cuda", rank) if use_cuda else torch.device("cpu")
+
+
+def finish_rank() -> None:
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def launch(target, world, *args):
+    with tempfile.TemporaryDirectory() as tmp:
+        results = os.path.join(tmp, "results.json")
+        mp.spawn(target, args=(world, *args, os.path.join(tmp, "store"), results), nprocs=world)
+        return json.loads(Path(results).read_text())
+
+
+def print_table(report, world) -> None:
+    for size, rows in report.items():
+        ddp_time = rows.get("ddp", {}).get("median_step_s")
+        print(f"\n{size} ({next(iter(rows.values()))['params'] / 1e6:.1f}M params), world {world}")
+        print(f"{'implementation':<38}{'step s':>8}{'vs DDP':>8}{'state MiB/rank':>22}{'grads MiB/rank':>22}"
+              f"{'peak RSS MiB':>18}{'MiB sent':>10}{'calls':>7}{'loss':>8}{'max |Δ|':>10}")
+        for impl, r in rows.items():
+            mib = lambda xs: "/".join(f"{x / 2**20:.1f}" for x in xs)
+            ratio = f"{r['median_step_s'] / ddp_time:.2f}" if ddp_time else "-"
+            print(f"{IMPLS[impl]:<38}{r['median_step_s']:>8.3f}{ratio:>8}{mib(r['state_bytes']):>22}"
+                  f"{mib(r['grad_bytes']):>22}{mib(r.get('peak_rss', [])):>18}{r['comm_bytes'] / 2**20:>10.1f}"
+                  f"{r['comm_calls_python']:>7}{r['final_loss']:>8.4f}{r['max_param_diff_vs_ddp']:>10.2e}")
+
+
+def plot(report, path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no PNG")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    for offset, (size, rows) in enumerate(report.items()):
+        ddp_time = rows["ddp"]["median_step_s"] if "ddp" in rows else 1.0
+        names = list(rows)
+        xs = [i + 0.4 * offset for i in range(len(names))]
+        axes[0].bar(xs, [rows[n]["median_step_s"] / ddp_time for n in names], width=0.4, label=size)
+        axes[1].bar(xs, [max(rows[n]["state_bytes"]) / 2**20 for n in names], width=0.4, label=size)
+    for ax, title in zip(axes, ("step time / DDP", "optimizer state on the largest rank (MiB)")):
+        ax.set_xticks([i + 0.2 for i in range(len(names))], [IMPLS[n].replace(" + ", "\n+ ") for n in names], fontsize=7)
+        ax.set_title(title)
+        ax.legend()
+    axes[0].axhline(1.0, color="grey", linewidth=0.8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--sizes", type=lambda s: s.split(","), default=list(SIZES))
+    parser.add_argument("--impls", type=lambda s: s.split(","), default=list(IMPLS))
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per implementation")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--turn", type=int, default=2, help="steps each implementation takes per turn")
+    parser.add_argument("--out", default="bench_out")
+    parser.add_argument("--no-memory", action="store_true", help="skip the per-implementation RSS launches")
+    args = parser.parse_args()
+
+    started = time.time()
+    report = launch(timing_rank, args.world, args)
+    if not args.no_memory:
+        for size, rows in report.items():
+            for impl in rows:
+                rows[impl]["peak_rss"] = launch(memory_rank, args.world, size, impl)
+    print_table(report, args.world)
+    out = Path(args.out)
+    out.mkdir(exist_ok=True)
+    meta = {"world": args.world, "torch": torch.__version__, "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+            "backend": "nccl" if torch.cuda.is_available() else "gloo", "command": " ".join(sys.argv),
+            "seconds": round(time.time() - started)}
+    (out / "bench.json").write_text(json.dumps({"meta": meta, "results": report}, indent=1))
+    plot(report, out / "bench.png")
+    print(f"\n{meta}\nwrote {out / 'bench.json'} and {out / 'bench.png'}")
+
+
+if __name__ == "__main__":
+    main()
