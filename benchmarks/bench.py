@@ -45,6 +45,8 @@ IMPLS = {
     "zero1": "sharded OSS + DDP",
     "zero2": "sharded OSS + ShardedDDP",
 }
+SHORT_NAMES = {"ddp": "DDP", "torch_zero": "torch ZeRO\n+ DDP", "fairscale": "fairscale\nOSS + SDP",
+               "zero1": "sharded\nOSS + DDP", "zero2": "sharded\nOSS + SDP"}
 SIZES = {"10m": dict(dim=384, layers=6, batch=8, seq=128), "40m": dict(dim=640, layers=8, batch=4, seq=128)}
 COLLECTIVES = {"all_reduce": 2, "reduce": 1, "broadcast": 1, "all_gather": 1, "all_gather_into_tensor": 1,
                "reduce_scatter_tensor": 1, "send": None, "recv": None}
@@ -281,7 +283,7 @@ def plot(report, path) -> None:
         axes[0].bar(xs, [rows[n]["median_step_s"] / ddp_time for n in names], width=0.4, label=size)
         axes[1].bar(xs, [max(rows[n]["state_bytes"]) / 2**20 for n in names], width=0.4, label=size)
     for ax, title in zip(axes, ("step time / DDP", "optimizer state on the largest rank (MiB)")):
-        ax.set_xticks([i + 0.2 for i in range(len(names))], [IMPLS[n].replace(" + ", "\n+ ") for n in names], fontsize=7)
+        ax.set_xticks([i + 0.2 for i in range(len(names))], [SHORT_NAMES[n] for n in names], fontsize=8)
         ax.set_title(title)
         ax.legend()
     axes[0].axhline(1.0, color="grey", linewidth=0.8)
