@@ -132,7 +132,7 @@ class GradRouter:
         self.world_size = _comm.group_size(group)
         self.buckets = plan_reduce_buckets(params, owner_of, bucket_numel, reduce_fp16)
         self.phase = Phase.IDLE
-        self.sync_enabled = True
+        self.sync_enabled = True  # False: the last forward ran inside no_sync()
         self._fills: list[Optional[_Fill]] = []
         self._next_launch = 0
         self._in_flight: deque[tuple[int, _Fill, dist.Work]] = deque()

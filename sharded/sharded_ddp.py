@@ -98,6 +98,9 @@ class ShardedDataParallel(nn.Module):
             self.refresh_trainable()
         if self.broadcast_buffers and self._sync_enabled:
             self.sync_buffers(blocking=True)
+        # As with DDP, the forward decides whether its backward reduces: a forward run inside
+        # no_sync() accumulates even if backward is called after the context has closed.
+        self._router.sync_enabled = self._sync_enabled
         return self.module(*inputs, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
@@ -111,16 +114,17 @@ class ShardedDataParallel(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally, with no communication at all, inside this context.
+        """Accumulate gradients locally, with no communication at all, for forwards run inside.
 
-        The first backward after it reduces the accumulated sums (as DDP's ``no_sync``).
+        As with DDP's ``no_sync``, the backward of a forward run inside accumulates (wherever
+        ``backward()`` is called); the first synced backward after it reduces the sums.
         """
         previous = self._sync_enabled
-        self._set_sync(False)
+        self._sync_enabled = False
         try:
             yield
         finally:
-            self._set_sync(previous)
+            self._sync_enabled = previous
 
     def reduce(self) -> None:
         """Reduce the gradients the parameters hold now to their owners. Collective.
@@ -180,15 +184,13 @@ class ShardedDataParallel(nn.Module):
         owner_of: dict[torch.Tensor, int] = {}
         for optimizer in self.sharded_optimizers:
             owner_of.update(optimizer.param_to_rank)
-        router = GradRouter(
+        return GradRouter(
             list(reversed(trainable)),  # gradients arrive roughly in reverse definition order
             owner_of,
             self.process_group,
             self.reduce_buffer_size,
             self.reduce_fp16,
         )
-        router.sync_enabled = self._sync_enabled
-        return router
 
     def _trainable_params_covered_by_optimizers(self) -> list[torch.Tensor]:
         """The trainable parameters; raise naming any that no optimizer holds."""
@@ -221,10 +223,6 @@ class ShardedDataParallel(nn.Module):
                 "and rebuilding buckets (silence with warn_on_trainable_params_changed=False)"
             )
             self._warned_trainability_change = True
-
-    def _set_sync(self, enabled: bool) -> None:
-        self._sync_enabled = enabled
-        self._router.sync_enabled = enabled
 
     def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._router.mark_grads_consumed()

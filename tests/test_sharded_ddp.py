@@ -10,6 +10,7 @@ difference to stay at rounding level (``1e-6``), which a real bug would not.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import pytest
@@ -155,6 +156,20 @@ def _check_no_sync(rank, world):
             gpt_loss(model, token_batch(rank, 10 * step + 2)).backward()
             opt.step()
     _assert_close(ours.module, ref.module, "no_sync over 3 micro-steps")
+    # as with DDP, the forward decides: backward called after the context closed still accumulates
+    ref, ref_opt, ours, our_opt = _pair()
+    for step in range(2):
+        for model, opt in ((ref, ref_opt), (ours, our_opt)):
+            opt.zero_grad()
+            for micro in range(3):
+                with model.no_sync() if micro < 2 else contextlib.nullcontext():
+                    loss = gpt_loss(model, token_batch(rank, 10 * step + micro))
+                with _CollectiveCounter() as counter:
+                    loss.backward()
+                if model is ours and micro < 2:
+                    assert counter.calls == 0, "a backward of a no_sync forward communicated"
+            opt.step()
+    _assert_close(ours.module, ref.module, "no_sync forward, backward outside")
     # reduce(): all micro-steps inside no_sync, then one explicit reduction
     ref, ref_opt, ours, our_opt = _pair()
     for step in range(2):
