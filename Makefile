@@ -18,7 +18,7 @@ test: $(VENV)/.installed
 	$(BIN)/python -m pytest tests
 
 demo: $(VENV)/.installed
-	$(BIN)/torchrun --standalone --nproc-per-node 2 examples/demo_oss.py
+	$(BIN)/torchrun --standalone --nproc-per-node 2 examples/train_gpt.py
 
 bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/bench.py

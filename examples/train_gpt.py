@@ -1,0 +1,266 @@
+"""Train a small GPT-style byte model on Python's own standard library, with DDP or ZeRO-1/2.
+
+    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py            # what `make demo` runs
+    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --stage 2 --accumulate 2 --amp bf16
+    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --stage 2 --resume
+
+Stages, on the same model code: ``ddp`` = DDP + AdamW; ``1`` = DDP + ``sharded.OSS(AdamW)``
+(optimizer state sharded); ``2`` = ``sharded.ShardedDataParallel`` + ``OSS`` (gradients sharded
+too). ``--stage ddp,1,2`` trains each in turn from the same weights on the same batches and
+compares what each rank holds at the end (a table and ``<out>/memory.png``).
+
+On GPUs the same script uses NCCL, one rank per GPU (``--nproc-per-node`` = GPUs per node). Across
+machines use torchrun's usual rendezvous instead of ``--standalone``, on every node::
+
+    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 8 \\
+             --rdzv-backend c10d --rdzv-endpoint HOST:29500 examples/train_gpt.py
+
+The text is every top-level ``.py`` file of the standard library (found through ``sysconfig``),
+concatenated in name order; the last 10 % is held out for validation. No download.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from sharded import OSS, ShardedDataParallel, ShardedGradScaler
+
+VOCAB = 256  # bytes
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in self.qkv(self.ln1(x)).split(d, -1))
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, dim: int, layers: int, heads: int, seq: int) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(VOCAB, dim), nn.Embedding(seq, dim)
+        self.blocks = nn.Sequential(*[Block(dim, heads) for _ in range(layers)])
+        self.ln, self.head = nn.LayerNorm(dim), nn.Linear(dim, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+        return self.head(self.ln(self.blocks(x)))
+
+
+def stdlib_text() -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, validation) bytes of the standard library's top-level modules."""
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    data = torch.frombuffer(bytearray(b"".join(f.read_bytes() for f in files)), dtype=torch.uint8).long()
+    split = int(0.9 * len(data))
+    return data[:split], data[split:]
+
+
+def sample(data: torch.Tensor, generator: torch.Generator, batch: int, seq: int, device) -> torch.Tensor:
+    starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=generator)
+    return torch.stack([data[s : s + seq + 1] for s in starts]).to(device)
+
+
+def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, VOCAB).float(), tokens[:, 1:].reshape(-1))
+
+
+def build(stage: str, model: nn.Module, args):
+    """(wrapped model, optimizer) for a stage."""
+    hyper = dict(lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
+    if stage == "ddp":
+        return DDP(model), torch.optim.AdamW(model.parameters(), **hyper)
+    optimizer = OSS(model.parameters(), torch.optim.AdamW, **hyper)
+    return (DDP(model) if stage == "1" else ShardedDataParallel(model, optimizer)), optimizer
+
+
+@torch.no_grad()
+def validation_loss(model: nn.Module, val: torch.Tensor, args, device) -> float:
+    g = torch.Generator().manual_seed(1234)  # the same validation batches every time
+    total = torch.zeros((), device=device)
+    for _ in range(args.val_batches):
+        with autocast(args, device):
+            total += lm_loss(model, sample(val, g, args.batch, args.seq, device))
+    dist.all_reduce(total)
+    return total.item() / args.val_batches / dist.get_world_size()
+
+
+def autocast(args, device):
+    if args.amp == "off":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16 if args.amp == "bf16" else torch.float16)
+
+
+def train_stage(stage: str, args, device, train: torch.Tensor, val: torch.Tensor) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = GPT(args.dim, args.layers, args.heads, args.seq).to(device)
+    wrapped, optimizer = build(stage, model, args)
+    scaler = ShardedGradScaler(enabled=args.amp == "fp16", device=device.type)
+    ckpt = Path(args.out) / f"checkpoint-stage-{stage}.pt"
+    start = resume(ckpt, model, optimizer, scaler) if args.resume and ckpt.exists() else 0
+    g = torch.Generator().manual_seed(start * world + rank)
+    progress = progress_bar(rank, start, args.steps, stage)
+    tokens_per_step = args.batch * args.seq * args.accumulate * world
+    first_val = validation_loss(wrapped, val, args, device)
+    tick = time.perf_counter()
+    for step in range(start, args.steps):
+        optimizer.zero_grad()
+        for micro in range(args.accumulate):
+            last = micro == args.accumulate - 1
+            with (contextlib.nullcontext() if last else wrapped.no_sync()), autocast(args, device):
+                loss = lm_loss(wrapped, sample(train, g, args.batch, args.seq, device)) / args.accumulate
+            scaler.scale(loss).backward()
+        grads = held_bytes(p.grad for p in model.parameters() if p.grad is not None)
+        scaler.unscale_(optimizer)
+        if isinstance(optimizer, OSS):
+            optimizer.clip_grad_norm(1.0)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(optimizer)
+        scaler.update()
+        now = time.perf_counter()
+        progress.set_postfix(loss=f"{loss.item() * args.accumulate:.3f}", tok_s=f"{tokens_per_step / (now - tick):,.0f}")
+        progress.update()
+        tick = now
+        if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
+            save(ckpt, step + 1, model, optimizer, scaler)
+    progress.close()
+    final_val = validation_loss(wrapped, val, args, device)
+    local = optimizer.optim if isinstance(optimizer, OSS) else optimizer
+    state = held_bytes(v for s in local.state.values() for v in s.values() if torch.is_tensor(v))
+    return {
+        "val": (first_val, final_val),
+        "params": gather(held_bytes(model.parameters()), device),
+        "grads": gather(grads if args.steps > start else 0, device),
+        "state": gather(state, device),
+    }
+
+
+def save(path: Path, step: int, model: nn.Module, optimizer, scaler) -> None:
+    """Collective: the optimizer state is consolidated on rank 0, which writes the file."""
+    if isinstance(optimizer, OSS):
+        optimizer.consolidate_state_dict(recipient_rank=0)
+    if dist.get_rank() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "scaler": scaler.state_dict()}, path)
+    dist.barrier()
+
+
+def resume(path: Path, model: nn.Module, optimizer, scaler) -> int:
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    model.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    scaler.load_state_dict(checkpoint["scaler"])
+    return checkpoint["step"]
+
+
+def held_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def gather(value: int, device) -> list[int]:
+    mine = torch.tensor([value], dtype=torch.int64, device=device)
+    out = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, mine)
+    return [int(t.item()) for t in out]
+
+
+def progress_bar(rank: int, start: int, total: int, stage: str):
+    from tqdm import tqdm
+
+    return tqdm(initial=start, total=total, desc=f"stage {stage}", disable=rank != 0, dynamic_ncols=True)
+
+
+def report(results: dict, out: Path) -> None:
+    """Per-rank memory table on stdout and a bar chart comparing the stages."""
+    world = len(next(iter(results.values()))["params"])
+    print(f"\n{'stage':<7}{'val loss':>18}" + "".join(f"{'rank ' + str(r) + ' params/grads/state (MiB)':>36}" for r in range(world)))
+    for stage, r in results.items():
+        cells = "".join(f"{r['params'][i] / 2**20:>16.2f}{r['grads'][i] / 2**20:>10.2f}{r['state'][i] / 2**20:>10.2f}" for i in range(world))
+        print(f"{stage:<7}{r['val'][0]:>8.3f} -> {r['val'][1]:.3f}{cells}")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(2 + 1.6 * len(results) * world, 4))
+    labels, bottoms = [], []
+    for stage, r in results.items():
+        for rank in range(world):
+            labels.append(f"{stage}\nrank {rank}")
+            bottoms.append((r["params"][rank], r["grads"][rank], r["state"][rank]))
+    x = range(len(labels))
+    base = [0.0] * len(labels)
+    for part, name in enumerate(("parameters", "gradients", "optimizer state")):
+        heights = [b[part] / 2**20 for b in bottoms]
+        ax.bar(x, heights, bottom=base, label=name)
+        base = [a + h for a, h in zip(base, heights)]
+    ax.set_xticks(list(x), labels)
+    ax.set_ylabel("MiB held per rank")
+    ax.set_title("memory per rank by stage (ddp = DDP + AdamW, 1 = ZeRO-1, 2 = ZeRO-2)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "memory.png", dpi=110)
+    print(f"\nwrote {out / 'memory.png'}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stage", default="ddp,1,2", help="comma-separated: ddp, 1, 2")
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per step (no_sync)")
+    parser.add_argument("--amp", choices=("off", "bf16", "fp16"), default="off")
+    parser.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint-stage-S.pt")
+    parser.add_argument("--save-every", type=int, default=50)
+    parser.add_argument("--out", default="demo_out")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--val-batches", type=int, default=8)
+    args = parser.parse_args()
+
+    use_cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        device = torch.device("cuda")
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+        device = torch.device("cpu")
+    train, val = stdlib_text()
+    if dist.get_rank() == 0:
+        print(f"{len(train):,} training / {len(val):,} validation bytes of the standard library; "
+              f"{dist.get_world_size()} ranks on {device.type}")
+    results = {stage: train_stage(stage, args, device, train, val) for stage in args.stage.split(",")}
+    if dist.get_rank() == 0:
+        report(results, Path(args.out))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
