@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from . import _comm
-from ._flat import group_by_device_and_dtype, plan_buckets
+from ._flat import plan_buckets
 
 __all__ = ["GradRouter", "Phase", "ReduceBucket", "plan_reduce_buckets"]
 
@@ -61,18 +61,19 @@ def plan_reduce_buckets(
 ) -> tuple[ReduceBucket, ...]:
     """Buckets for ``params`` (given in expected gradient-ready order), in launch order.
 
-    Each bucket holds parameters of one owner, device and dtype that are consecutive in ready
-    order; buckets are ordered by when their last gradient is expected.
+    The ready order is cut into windows of at most ``max_numel`` elements, as DDP cuts its
+    buckets; each owner's share of a window (per device and dtype) is one bucket. A bucket is
+    thus complete as soon as backward has passed its window, and reduces start early in
+    backward, even though the greedy partition scatters each owner's parameters over the whole
+    model. A parameter larger than a window has one to itself; ``max_numel <= 0`` puts every
+    parameter alone.
     """
     position = {p: i for i, p in enumerate(params)}
-    by_owner: dict[int, list[torch.Tensor]] = {}
-    for p in params:
-        by_owner.setdefault(owner_of[p], []).append(p)
-    buckets = []
-    for owner, owned in by_owner.items():
-        for same_kind in group_by_device_and_dtype(owned).values():
-            for run in plan_buckets(same_kind, max_numel):
-                buckets.append(_bucket(owner, run, reduce_fp16))
+    members: dict[tuple, list[torch.Tensor]] = {}
+    for window, run in enumerate(plan_buckets(params, max_numel)):
+        for p in run:
+            members.setdefault((window, owner_of[p], p.device, p.dtype), []).append(p)
+    buckets = [_bucket(key[1], run, reduce_fp16) for key, run in members.items()]
     buckets.sort(key=lambda b: position[b.params[-1]])
     return tuple(buckets)
 
