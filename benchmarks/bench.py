@@ -44,10 +44,15 @@ IMPLS = {
     "fairscale": "fairscale OSS + ShardedDDP",
     "zero1": "sharded OSS + DDP",
     "zero2": "sharded OSS + ShardedDDP",
+    "zero2_fp16": "sharded OSS + ShardedDDP, fp16 wire",
 }
 SHORT_NAMES = {"ddp": "DDP", "torch_zero": "torch ZeRO\n+ DDP", "fairscale": "fairscale\nOSS + SDP",
-               "zero1": "sharded\nOSS + DDP", "zero2": "sharded\nOSS + SDP"}
-SIZES = {"10m": dict(dim=384, layers=6, batch=8, seq=128), "40m": dict(dim=640, layers=8, batch=4, seq=128)}
+               "zero1": "sharded\nOSS + DDP", "zero2": "sharded\nOSS + SDP",
+               "zero2_fp16": "sharded SDP\nfp16 wire"}
+# "-short" sizes run 32 tokens per rank: the step is then optimizer and communication work, as it is
+# when an accelerator makes the matrix work cheap, and that is where the implementations differ.
+SIZES = {"10m": dict(dim=384, layers=6, batch=8, seq=128), "40m": dict(dim=640, layers=8, batch=4, seq=128),
+         "40m-short": dict(dim=640, layers=8, batch=1, seq=32)}
 COLLECTIVES = {"all_reduce": 2, "reduce": 1, "broadcast": 1, "all_gather": 1, "all_gather_into_tensor": 1,
                "reduce_scatter_tensor": 1, "send": None, "recv": None}
 VOCAB = 256
@@ -113,8 +118,9 @@ def build(impl: str, model: nn.Module):
         return FairscaleSDP(model, opt), opt, False, opt.optim
     from sharded import OSS, ShardedDataParallel
 
-    opt = OSS(params, torch.optim.Adam, lr=LR)
-    wrapped = DDP(model) if impl == "zero1" else ShardedDataParallel(model, opt)
+    fp16_wire = impl == "zero2_fp16"
+    opt = OSS(params, torch.optim.Adam, lr=LR, broadcast_fp16=fp16_wire)
+    wrapped = DDP(model) if impl == "zero1" else ShardedDataParallel(model, opt, reduce_fp16=fp16_wire)
     return wrapped, opt, True, opt.optim
 
 

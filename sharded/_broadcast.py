@@ -2,30 +2,53 @@
 
 After a sharded optimizer step only the owner of a parameter has its new value. These helpers
 plan (once per partition) and run (every step) the broadcasts that bring every replica up to
-date: small tensors of one owner, device and dtype are packed into flat buckets so that a model
-of many small parameters costs a few large messages; a tensor larger than a bucket is sent in
-place with no copy. All broadcasts are issued asynchronously and waited on together.
+date: tensors of one owner, device and dtype are packed into flat buckets so that a model of many
+small parameters costs a few large messages. For parameters the buckets are made *resident*:
+the parameters become views of the bucket, so the bucket is sent as it is, with no copy on
+either side (on a CPU, packing and unpacking cost as much as the transfer). All broadcasts are
+issued asynchronously and waited on together.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
 from . import _comm
-from ._flat import flatten, group_by_device_and_dtype, plan_buckets, unflatten_into
+from ._flat import flatten, group_by_device_and_dtype, lives_in, move_into_flat, plan_buckets, unflatten_into
 
-__all__ = ["Bucket", "PendingBroadcasts", "plan_broadcasts", "broadcast_buckets", "start_broadcasts"]
+__all__ = [
+    "Bucket",
+    "PendingBroadcasts",
+    "broadcast_buckets",
+    "make_resident",
+    "plan_broadcasts",
+    "release_residents",
+    "start_broadcasts",
+]
 
 
 @dataclass(frozen=True)
 class Bucket:
-    """Tensors that travel together from rank ``src`` in one message."""
+    """Tensors that travel together from rank ``src`` in one message.
+
+    ``flat`` is set when the tensors are *resident*: views of consecutive pieces of ``flat``,
+    which is then their storage and is sent as it is, with no packing or unpacking copies.
+    """
 
     src: int
     tensors: tuple[torch.Tensor, ...]
+    flat: Optional[torch.Tensor] = None
+
+    @property
+    def numel(self) -> int:
+        return sum(t.numel() for t in self.tensors)
+
+    def is_resident(self) -> bool:
+        """Whether the tensors still live in ``flat`` (``module.to()`` or ``p.data = ...`` move them out)."""
+        return self.flat is not None and lives_in(self.tensors, self.flat)
 
 
 def plan_broadcasts(
@@ -38,6 +61,37 @@ def plan_broadcasts(
         for same_kind in group_by_device_and_dtype(nonempty).values():
             buckets.extend(Bucket(src, tuple(b)) for b in plan_buckets(same_kind, max_numel))
     return tuple(buckets)
+
+
+def make_resident(buckets: Sequence[Bucket]) -> tuple[Bucket, ...]:
+    """Give each bucket's tensors one flat storage, so that broadcasting them copies nothing.
+
+    The tensors' data is moved into the bucket's buffer (their ``.data`` becomes a view of it),
+    so code holding a tensor keeps seeing its value. A tensor that cannot share a buffer (not
+    contiguous, or sharing storage with another tensor of the plan) goes into a bucket of its
+    own and travels packed, as :func:`plan_broadcasts` left it.
+    """
+    shared = _storages_used_twice(t for b in buckets for t in b.tensors)
+    resident = []
+    for bucket in buckets:
+        movable = [t for t in bucket.tensors if t.is_contiguous() and _storage_key(t) not in shared]
+        if movable:
+            resident.append(Bucket(bucket.src, tuple(movable), move_into_flat(movable)))
+        movable_ids = {id(t) for t in movable}
+        resident.extend(Bucket(bucket.src, (t,)) for t in bucket.tensors if id(t) not in movable_ids)
+    return tuple(resident)
+
+
+def release_residents(old: Sequence[Bucket], keep: Sequence[Bucket]) -> None:
+    """Give the tensors of ``old`` buckets that no bucket of ``keep`` holds their own storage,
+    so the old flat buffers are freed instead of being kept alive by a few views."""
+    kept = {id(t) for b in keep for t in b.tensors}
+    for bucket in old:
+        if bucket.flat is None or len(bucket.tensors) == 1:
+            continue
+        for t in bucket.tensors:
+            if id(t) not in kept and _storage_key(t) == _storage_key(bucket.flat):
+                t.data = t.detach().clone()
 
 
 def broadcast_buckets(
@@ -66,7 +120,10 @@ class PendingBroadcasts:
             work.wait()
             if self._me != bucket.src and not in_place:
                 with torch.profiler.record_function("sharded::unpack_broadcast"):
-                    unflatten_into(message, bucket.tensors)
+                    if bucket.flat is not None:
+                        bucket.flat.copy_(message)
+                    else:
+                        unflatten_into(message, bucket.tensors)
         self._in_flight = []
 
 
@@ -81,17 +138,26 @@ def start_broadcasts(
     if _comm.group_size(group) > 1:
         for bucket in buckets:
             dtype = _wire_dtype_for(bucket.tensors[0].dtype, wire_dtype)
-            in_place = len(bucket.tensors) == 1 and dtype == bucket.tensors[0].dtype
+            home = _home(bucket)
+            in_place = home is not None and home.dtype == dtype
             if in_place:
-                message = bucket.tensors[0].detach()
+                message = home
             elif me == bucket.src:
-                message = flatten(bucket.tensors, dtype)
+                message = home.to(dtype) if home is not None else flatten(bucket.tensors, dtype)
             else:
-                numel = sum(t.numel() for t in bucket.tensors)
-                message = torch.empty(numel, dtype=dtype, device=bucket.tensors[0].device)
+                message = torch.empty(bucket.numel, dtype=dtype, device=bucket.tensors[0].device)
             work = _comm.broadcast(message, bucket.src, group)
             in_flight.append((bucket, message, in_place, work))
     return PendingBroadcasts(me, in_flight)
+
+
+def _home(bucket: Bucket) -> Optional[torch.Tensor]:
+    """The storage of the bucket's tensors as one flat tensor, if they have one."""
+    if bucket.flat is not None:
+        return bucket.flat
+    if len(bucket.tensors) == 1 and bucket.tensors[0].is_contiguous():
+        return bucket.tensors[0].detach().view(-1)
+    return None
 
 
 def _wire_dtype_for(dtype: torch.dtype, wire_dtype: Optional[torch.dtype]) -> torch.dtype:
@@ -101,3 +167,15 @@ def _wire_dtype_for(dtype: torch.dtype, wire_dtype: Optional[torch.dtype]) -> to
         and torch.finfo(wire_dtype).bits < torch.finfo(dtype).bits
     )
     return wire_dtype if narrower else dtype
+
+
+def _storage_key(t: torch.Tensor) -> tuple[torch.device, int]:
+    return t.device, t.untyped_storage().data_ptr()
+
+
+def _storages_used_twice(tensors: Iterable[torch.Tensor]) -> set:
+    seen, twice = set(), set()
+    for t in tensors:
+        key = _storage_key(t)
+        (twice if key in seen else seen).add(key)
+    return twice

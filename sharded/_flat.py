@@ -11,7 +11,7 @@ from typing import Hashable, Iterable, Sequence
 
 import torch
 
-__all__ = ["group_by_device_and_dtype", "plan_buckets", "flatten", "unflatten_into"]
+__all__ = ["group_by_device_and_dtype", "plan_buckets", "flatten", "unflatten_into", "move_into_flat", "lives_in"]
 
 
 def group_by_device_and_dtype(
@@ -55,6 +55,30 @@ def flatten(tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -
 def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
     """Copy the consecutive pieces of ``flat`` back into ``tensors`` (casting as needed)."""
     torch._foreach_copy_([t.detach() for t in tensors], _views(flat, tensors))
+
+
+def move_into_flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Make contiguous ``tensors`` views of consecutive pieces of one new flat buffer; return it.
+
+    Their values move along (``t.data`` is swapped, the tensor objects stay the same). A single
+    tensor needs no new buffer: its own storage is returned, flattened.
+    """
+    if len(tensors) == 1:
+        return tensors[0].detach().view(-1)
+    flat = flatten(tensors)
+    for t, piece in zip(tensors, _views(flat, tensors)):
+        t.data = piece
+    return flat
+
+
+def lives_in(tensors: Sequence[torch.Tensor], flat: torch.Tensor, offset: int = 0) -> bool:
+    """Whether ``tensors`` are, in order from element ``offset``, the consecutive pieces of ``flat``."""
+    position = flat.data_ptr() + offset * flat.element_size()
+    for t in tensors:
+        if t.dtype != flat.dtype or t.device != flat.device or t.data_ptr() != position or not t.is_contiguous():
+            return False
+        position += t.numel() * t.element_size()
+    return True
 
 
 def _views(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from . import _comm
-from ._broadcast import broadcast_buckets, plan_broadcasts
+from ._broadcast import broadcast_buckets, make_resident, plan_broadcasts, release_residents
 from ._checks import as_param_groups, check_optimizer_class, check_param_list, check_same_across_ranks, param_list
 from ._partition import Partition
 from ._state_dict import full_state_dict, restore_state, snapshot_shard, states_by_param
@@ -37,7 +37,9 @@ class OSS(Optimizer):
     least-loaded rank; frozen parameters are balanced apart so they never skew it). Each rank
     builds the wrapped optimizer over its own partition only, so optimizer state memory per rank
     is about ``1 / world_size`` of the total. After every ``step()`` the owners broadcast the
-    updated parameters in flat buckets.
+    updated parameters in flat buckets. The trainable parameters live in those buckets (their
+    ``.data`` is a view of one), so nothing is copied to send or receive them; a tensor taken
+    from ``param.data`` before ``OSS`` was built is a stale copy.
 
     ``OSS`` is itself a ``torch.optim.Optimizer``: ``param_groups`` lists every parameter and is
     kept in sync with the wrapped optimizer in both directions, so lr schedulers, gradient
@@ -58,6 +60,7 @@ class OSS(Optimizer):
     """
 
     _partition: Optional[Partition] = None  # None only while Optimizer.__init__ adds the groups
+    _broadcasts: tuple = ()
 
     def __init__(
         self,
@@ -146,6 +149,8 @@ class OSS(Optimizer):
         self._push_hyperparams()
         loss = self._step_local_shard(closure, *args, **kwargs)
         self._pull_hyperparams()
+        if not all(b.is_resident() for b in self._broadcasts if b.flat is not None):
+            self._plan_broadcasts()  # e.g. module.to(dtype) gave the parameters new storage
         with torch.profiler.record_function("sharded::broadcast_params"):
             wire_dtype = torch.float16 if self.broadcast_fp16 else None
             broadcast_buckets(self._broadcasts, self.group, wire_dtype)
@@ -228,11 +233,17 @@ class OSS(Optimizer):
             self._parked_state[p] = self.optim.state.pop(p)
         for p in [p for p in self._parked_state if p in stepped]:
             self.optim.state[p] = self._parked_state.pop(p)
+        self._plan_broadcasts()
+
+    def _plan_broadcasts(self) -> None:
+        """Bucket the trainable parameters by owner, each bucket their storage (no copies to send)."""
         trainable_by_rank = [
-            [partition.params[i] for i in partition.owned_indices(r, trainable_only=True)]
+            [self._partition.params[i] for i in self._partition.owned_indices(r, trainable_only=True)]
             for r in range(self.world_size)
         ]
-        self._broadcasts = plan_broadcasts(trainable_by_rank, self.broadcast_buffer_size)
+        old = self._broadcasts
+        self._broadcasts = make_resident(plan_broadcasts(trainable_by_rank, self.broadcast_buffer_size))
+        release_residents(old, keep=self._broadcasts)
 
     def _move_state_to_owners(self, new: Partition) -> None:
         """Send the state this rank keeps for parameters that ``new`` gives to another rank."""

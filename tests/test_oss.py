@@ -142,6 +142,38 @@ def test_oss_broadcast_buckets_and_fp16(world_size):
     run_on_ranks(_check_bucketing_and_fp16_broadcast, world_size)
 
 
+def _storages(params):
+    return {p.untyped_storage().data_ptr() for p in params}
+
+
+def _check_parameters_live_in_their_broadcast_buckets(rank, world):
+    ref, ours = gpt(), gpt()
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    oss = OSS(ours.parameters(), torch.optim.Adam, lr=1e-2)
+    params = list(ours.parameters())
+    # the broadcast buffers are the parameters' storage: one per bucket, nothing to copy
+    assert len(_storages(params)) == len(oss._broadcasts) < len(params)
+    _train(ref, ref_opt, rank, 2)
+    _train(ours, oss, rank, 2)
+    for p in params:  # what module.to(...) does: new storage behind the same parameters
+        p.data = p.data.clone()
+    _train(ref, ref_opt, rank, 3, first_step=2)
+    _train(ours, oss, rank, 3, first_step=2)
+    _assert_close(ours, ref, "after the parameters got new storage")
+    assert_same_on_all_ranks(params, "replicas after the parameters got new storage")
+    assert len(_storages(params)) == len(oss._broadcasts), "the buckets were not rebuilt"
+    ours.blocks[0].requires_grad_(False)
+    oss.refresh_trainable()
+    for name, p in ours.blocks[0].named_parameters():
+        assert p.untyped_storage().nbytes() == p.numel() * p.element_size(), (
+            f"frozen parameter {name} still pins an old bucket")
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_parameters_live_in_broadcast_buckets_and_follow_new_storage(world_size):
+    run_on_ranks(_check_parameters_live_in_their_broadcast_buckets, world_size)
+
+
 # ------------------------------------------------------------------------------ add_param_group
 
 
