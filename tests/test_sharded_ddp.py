@@ -78,6 +78,22 @@ def test_matches_ddp_with_buckets_on_and_off_and_either_zero_grad(world_size):
     run_on_ranks(_check_matches_ddp, world_size)
 
 
+def _check_cast_mid_training(rank, world):
+    ref, ref_opt, ours, our_opt = _pair()
+    _train_both(ref, ref_opt, ours, our_opt, rank, steps=2)
+    ours.to(dtype=torch.float64)  # new storage for every parameter: buckets must follow
+    ref = DDP(ref.module.to(torch.float64))
+    _train_both(ref, ref_opt, ours, our_opt, rank, steps=3, first=2)
+    assert all(p.dtype == torch.float64 for p in ours.parameters())
+    _assert_close(ours.module, ref.module, "after .to(float64)")
+    assert_same_on_all_ranks(list(ours.parameters()), "replicas after .to(float64)")
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_to_dtype_mid_training_keeps_matching_ddp(world_size):
+    run_on_ranks(_check_cast_mid_training, world_size)
+
+
 def _check_reduce_fp16(rank, world):
     ref, ref_opt, ours, our_opt = _pair(reduce_fp16=True, reduce_buffer_size=500)
     ref.register_comm_hook(None, default_hooks.fp16_compress_hook)
