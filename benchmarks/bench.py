@@ -44,7 +44,7 @@ IMPLS = {
     "fairscale": "fairscale OSS + ShardedDDP",
     "zero1": "sharded OSS + DDP",
     "zero2": "sharded OSS + ShardedDDP",
-    "zero2_fp16": "sharded OSS + ShardedDDP, fp16 wire",
+    "zero2_fp16": "sharded OSS + SDP, fp16 on the wire",
 }
 SHORT_NAMES = {"ddp": "DDP", "torch_zero": "torch ZeRO\n+ DDP", "fairscale": "fairscale\nOSS + SDP",
                "zero1": "sharded\nOSS + DDP", "zero2": "sharded\nOSS + SDP",
@@ -281,15 +281,16 @@ def plot(report, path) -> None:
     except ImportError:
         print("matplotlib missing: no PNG")
         return
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4.5))
+    width = 0.8 / len(report)
     for offset, (size, rows) in enumerate(report.items()):
         ddp_time = rows["ddp"]["median_step_s"] if "ddp" in rows else 1.0
         names = list(rows)
-        xs = [i + 0.4 * offset for i in range(len(names))]
-        axes[0].bar(xs, [rows[n]["median_step_s"] / ddp_time for n in names], width=0.4, label=size)
-        axes[1].bar(xs, [max(rows[n]["state_bytes"]) / 2**20 for n in names], width=0.4, label=size)
+        xs = [i + width * offset for i in range(len(names))]
+        axes[0].bar(xs, [rows[n]["median_step_s"] / ddp_time for n in names], width=width, label=size)
+        axes[1].bar(xs, [max(rows[n]["state_bytes"]) / 2**20 for n in names], width=width, label=size)
     for ax, title in zip(axes, ("step time / DDP", "optimizer state on the largest rank (MiB)")):
-        ax.set_xticks([i + 0.2 for i in range(len(names))], [SHORT_NAMES[n] for n in names], fontsize=8)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], [SHORT_NAMES[n] for n in names], fontsize=7)
         ax.set_title(title)
         ax.legend()
     axes[0].axhline(1.0, color="grey", linewidth=0.8)
