@@ -67,18 +67,20 @@ def make_resident(buckets: Sequence[Bucket]) -> tuple[Bucket, ...]:
     """Give each bucket's tensors one flat storage, so that broadcasting them copies nothing.
 
     The tensors' data is moved into the bucket's buffer (their ``.data`` becomes a view of it),
-    so code holding a tensor keeps seeing its value. A tensor that cannot share a buffer (not
-    contiguous, or sharing storage with another tensor of the plan) goes into a bucket of its
-    own and travels packed, as :func:`plan_broadcasts` left it.
+    so code holding a tensor keeps seeing its value. A tensor that cannot move without breaking
+    something (not contiguous, or overlapping another tensor's memory) gets a bucket of its own.
+    So does a tensor left alone in its bucket: its own storage is already one flat message.
     """
-    shared = _storages_used_twice(t for b in buckets for t in b.tensors)
+    aliased = _overlapping(t for b in buckets for t in b.tensors)
     resident = []
     for bucket in buckets:
-        movable = [t for t in bucket.tensors if t.is_contiguous() and _storage_key(t) not in shared]
-        if movable:
+        movable = [t for t in bucket.tensors if t.is_contiguous() and id(t) not in aliased]
+        if len(movable) > 1:
             resident.append(Bucket(bucket.src, tuple(movable), move_into_flat(movable)))
-        movable_ids = {id(t) for t in movable}
-        resident.extend(Bucket(bucket.src, (t,)) for t in bucket.tensors if id(t) not in movable_ids)
+            movable_ids = {id(t) for t in movable}
+            resident.extend(Bucket(bucket.src, (t,)) for t in bucket.tensors if id(t) not in movable_ids)
+        else:
+            resident.extend(Bucket(bucket.src, (t,)) for t in bucket.tensors)
     return tuple(resident)
 
 
@@ -87,10 +89,10 @@ def release_residents(old: Sequence[Bucket], keep: Sequence[Bucket]) -> None:
     so the old flat buffers are freed instead of being kept alive by a few views."""
     kept = {id(t) for b in keep for t in b.tensors}
     for bucket in old:
-        if bucket.flat is None or len(bucket.tensors) == 1:
+        if bucket.flat is None:
             continue
         for t in bucket.tensors:
-            if id(t) not in kept and _storage_key(t) == _storage_key(bucket.flat):
+            if id(t) not in kept and t.untyped_storage().data_ptr() == bucket.flat.untyped_storage().data_ptr():
                 t.data = t.detach().clone()
 
 
@@ -155,7 +157,7 @@ def _home(bucket: Bucket) -> Optional[torch.Tensor]:
     """The storage of the bucket's tensors as one flat tensor, if they have one."""
     if bucket.flat is not None:
         return bucket.flat
-    if len(bucket.tensors) == 1 and bucket.tensors[0].is_contiguous():
+    if len(bucket.tensors) == 1 and bucket.tensors[0].is_contiguous():  # sent as it is
         return bucket.tensors[0].detach().view(-1)
     return None
 
@@ -169,13 +171,26 @@ def _wire_dtype_for(dtype: torch.dtype, wire_dtype: Optional[torch.dtype]) -> to
     return wire_dtype if narrower else dtype
 
 
-def _storage_key(t: torch.Tensor) -> tuple[torch.device, int]:
-    return t.device, t.untyped_storage().data_ptr()
+def _overlapping(tensors: Iterable[torch.Tensor]) -> set[int]:
+    """``id``s of the tensors whose memory overlaps another's: aliases that a move would split.
+
+    Tensors that merely share a storage without overlapping (e.g. the views of an earlier
+    bucket) do not count. A non-contiguous tensor is taken to span its whole storage.
+    """
+    spans = sorted(_span(t) + (id(t),) for t in tensors)
+    overlapping: set[int] = set()
+    reach: Optional[tuple[str, int, int]] = None  # (device, end, id) of the furthest span so far
+    for device, start, end, tensor_id in spans:
+        if reach is not None and reach[0] == device and start < reach[1]:
+            overlapping.update((tensor_id, reach[2]))
+        if reach is None or reach[0] != device or end > reach[1]:
+            reach = (device, end, tensor_id)
+    return overlapping
 
 
-def _storages_used_twice(tensors: Iterable[torch.Tensor]) -> set:
-    seen, twice = set(), set()
-    for t in tensors:
-        key = _storage_key(t)
-        (twice if key in seen else seen).add(key)
-    return twice
+def _span(t: torch.Tensor) -> tuple[str, int, int]:
+    if t.is_contiguous():
+        start = t.data_ptr()
+        return str(t.device), start, start + t.numel() * t.element_size()
+    storage = t.untyped_storage()
+    return str(t.device), storage.data_ptr(), storage.data_ptr() + storage.nbytes()

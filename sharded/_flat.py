@@ -27,8 +27,8 @@ def group_by_device_and_dtype(
 def plan_buckets(tensors: Sequence[torch.Tensor], max_numel: int) -> list[list[torch.Tensor]]:
     """Consecutive runs of ``tensors`` holding at most ``max_numel`` elements each.
 
-    A tensor larger than ``max_numel`` gets a bucket of its own (it is sent as it is, uncopied);
-    ``max_numel <= 0`` disables packing so that every tensor travels alone.
+    A tensor larger than ``max_numel`` gets a bucket of its own; ``max_numel <= 0`` disables
+    packing so that every tensor travels alone.
     """
     buckets: list[list[torch.Tensor]] = []
     current: list[torch.Tensor] = []
@@ -60,20 +60,17 @@ def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
 def move_into_flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Make contiguous ``tensors`` views of consecutive pieces of one new flat buffer; return it.
 
-    Their values move along (``t.data`` is swapped, the tensor objects stay the same). A single
-    tensor needs no new buffer: its own storage is returned, flattened.
+    Their values move along (``t.data`` is swapped, the tensor objects stay the same).
     """
-    if len(tensors) == 1:
-        return tensors[0].detach().view(-1)
     flat = flatten(tensors)
     for t, piece in zip(tensors, _views(flat, tensors)):
         t.data = piece
     return flat
 
 
-def lives_in(tensors: Sequence[torch.Tensor], flat: torch.Tensor, offset: int = 0) -> bool:
-    """Whether ``tensors`` are, in order from element ``offset``, the consecutive pieces of ``flat``."""
-    position = flat.data_ptr() + offset * flat.element_size()
+def lives_in(tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> bool:
+    """Whether ``tensors`` are, in order, the consecutive pieces of ``flat``."""
+    position = flat.data_ptr()
     for t in tensors:
         if t.dtype != flat.dtype or t.device != flat.device or t.data_ptr() != position or not t.is_contiguous():
             return False

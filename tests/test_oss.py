@@ -164,6 +164,8 @@ def _check_parameters_live_in_their_broadcast_buckets(rank, world):
     assert len(_storages(params)) == len(oss._broadcasts), "the buckets were not rebuilt"
     ours.blocks[0].requires_grad_(False)
     oss.refresh_trainable()
+    trainable = [p for p in params if p.requires_grad]
+    assert len(_storages(trainable)) == len(oss._broadcasts) < len(trainable), "re-partition lost the buckets"
     for name, p in ours.blocks[0].named_parameters():
         assert p.untyped_storage().nbytes() == p.numel() * p.element_size(), (
             f"frozen parameter {name} still pins an old bucket")
