@@ -17,7 +17,15 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 
 from . import _comm
-from ._flat import flatten, group_by_device_and_dtype, lives_in, move_into_flat, plan_buckets, unflatten_into
+from ._flat import (
+    flatten,
+    group_by_device_and_dtype,
+    lives_in,
+    move_into_flat,
+    plan_buckets,
+    unflatten_into,
+    wire_dtype_for,
+)
 
 __all__ = [
     "Bucket",
@@ -139,7 +147,7 @@ def start_broadcasts(
     in_flight = []
     if _comm.group_size(group) > 1:
         for bucket in buckets:
-            dtype = _wire_dtype_for(bucket.tensors[0].dtype, wire_dtype)
+            dtype = wire_dtype_for(bucket.tensors[0].dtype, wire_dtype)
             home = _home(bucket)
             in_place = home is not None and home.dtype == dtype
             if in_place:
@@ -160,15 +168,6 @@ def _home(bucket: Bucket) -> Optional[torch.Tensor]:
     if len(bucket.tensors) == 1 and bucket.tensors[0].is_contiguous():  # sent as it is
         return bucket.tensors[0].detach().view(-1)
     return None
-
-
-def _wire_dtype_for(dtype: torch.dtype, wire_dtype: Optional[torch.dtype]) -> torch.dtype:
-    narrower = (
-        wire_dtype is not None
-        and dtype.is_floating_point
-        and torch.finfo(wire_dtype).bits < torch.finfo(dtype).bits
-    )
-    return wire_dtype if narrower else dtype
 
 
 def _overlapping(tensors: Iterable[torch.Tensor]) -> set[int]:

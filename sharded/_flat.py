@@ -11,7 +11,7 @@ from typing import Hashable, Iterable, Sequence
 
 import torch
 
-__all__ = ["group_by_device_and_dtype", "plan_buckets", "flatten", "unflatten_into", "move_into_flat", "lives_in"]
+__all__ = ["group_by_device_and_dtype", "plan_buckets", "flatten", "unflatten_into", "move_into_flat", "lives_in", "wire_dtype_for"]
 
 
 def group_by_device_and_dtype(
@@ -76,6 +76,16 @@ def lives_in(tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> bool:
             return False
         position += t.numel() * t.element_size()
     return True
+
+
+def wire_dtype_for(dtype: torch.dtype, wire_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a ``dtype`` tensor travels in: ``wire_dtype`` if that is a narrower float."""
+    narrower = (
+        wire_dtype is not None
+        and dtype.is_floating_point
+        and torch.finfo(wire_dtype).bits < torch.finfo(dtype).bits
+    )
+    return wire_dtype if narrower else dtype
 
 
 def _views(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from . import _comm
-from ._flat import plan_buckets
+from ._flat import plan_buckets, wire_dtype_for
 
 __all__ = ["GradRouter", "Phase", "ReduceBucket", "plan_reduce_buckets"]
 
@@ -83,8 +83,7 @@ def _bucket(owner: int, params: Sequence[torch.Tensor], reduce_fp16: bool) -> Re
     for p in params:
         offsets.append(total)
         total += p.numel()
-    dtype = params[0].dtype
-    wire = torch.float16 if reduce_fp16 and dtype in (torch.float32, torch.float64) else dtype
+    wire = wire_dtype_for(params[0].dtype, torch.float16 if reduce_fp16 else None)
     return ReduceBucket(owner, tuple(params), tuple(offsets), total, wire)
 
 

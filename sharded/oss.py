@@ -254,14 +254,13 @@ class OSS(Optimizer):
                 outgoing[owner[p]][p] = states.pop(p)
         shards = {dst: snapshot_shard(states, new) for dst, states in outgoing.items()}
         for shard in _comm.exchange_objects(shards, self.group).values():
-            self._adopt_states(shard, new)
+            self._park({new.params[index]: state for index, state in shard.items()})
 
-    def _adopt_states(self, shard: dict[int, dict[str, Any]], partition: Partition) -> None:
-        group_of = [g for g, s in enumerate(partition.group_slices) for _ in range(s.start, s.stop)]
-        for index, state in shard.items():
-            param = partition.params[index]
-            group = self.param_groups[group_of[index]]
-            self._parked_state[param] = restore_state(state, param, group)
+    def _park(self, states: dict[torch.Tensor, dict[str, Any]]) -> None:
+        """Keep copies of ``states`` beside their parameters; :meth:`_install` activates the stepped ones."""
+        group_of = {p: group for group in self.param_groups for p in group["params"]}
+        for param, state in states.items():
+            self._parked_state[param] = restore_state(state, param, group_of[param])
 
     # ------------------------------------------------------------------------ state dicts
 
@@ -314,10 +313,7 @@ class OSS(Optimizer):
         self.optim.state.clear()
         self._parked_state.clear()
         owner = self._partition.owner_of()
-        group_of = {p: g for g in self.param_groups for p in g["params"]}
-        for param, state in states.items():
-            if owner[param] == self.rank:
-                self._parked_state[param] = restore_state(state, param, group_of[param])
+        self._park({param: state for param, state in states.items() if owner[param] == self.rank})
         self._install(self._partition)
         self._consolidated = None
 

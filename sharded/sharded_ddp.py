@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _comm
-from ._broadcast import PendingBroadcasts, broadcast_buckets, plan_broadcasts, start_broadcasts
+from ._broadcast import PendingBroadcasts, plan_broadcasts, start_broadcasts
 from ._checks import check_same_across_ranks
 from ._grad_router import GradRouter
 from .oss import OSS
@@ -83,7 +83,7 @@ class ShardedDataParallel(nn.Module):
             "ShardedDataParallel module parameters and buffers",
         )
         if sync_models_at_startup:
-            self._broadcast_from_rank0(list(module.parameters()) + list(module.buffers()))
+            self._start_broadcast_from_rank0(list(module.parameters()) + list(module.buffers())).wait()
         for optimizer in self.sharded_optimizers:
             optimizer.register_step_post_hook(self._on_optimizer_step)
         self._router = self._build_router()
@@ -149,7 +149,6 @@ class ShardedDataParallel(nn.Module):
         self._router.remove_hooks()
         self._router = self._build_router()
         self._trainability = self._current_trainability()
-        self._trainability = self._current_trainability()
 
     # --------------------------------------------------------------------- buffers, device
 
@@ -159,8 +158,7 @@ class ShardedDataParallel(nn.Module):
         Returns the broadcasts in flight when ``blocking`` is False; call ``wait()`` on them
         before the buffers are read.
         """
-        buffers = list(self.module.buffers())
-        pending = start_broadcasts(plan_broadcasts([buffers], self.reduce_buffer_size), self.process_group)
+        pending = self._start_broadcast_from_rank0(list(self.module.buffers()))
         if not blocking:
             return pending
         pending.wait()
@@ -227,10 +225,8 @@ class ShardedDataParallel(nn.Module):
     def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._router.mark_grads_consumed()
 
-    def _broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> None:
-        with torch.no_grad():
-            buckets = plan_broadcasts([tensors], self.reduce_buffer_size)
-            broadcast_buckets(buckets, self.process_group)
+    def _start_broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> PendingBroadcasts:
+        return start_broadcasts(plan_broadcasts([tensors], self.reduce_buffer_size), self.process_group)
 
 
 def _as_optimizer_list(
