@@ -35,8 +35,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
-from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+from gpt import GPT, next_token_loss  # noqa: E402  (examples/gpt.py: the model every job shares)
 
 IMPLS = {
     "ddp": "torch DDP + Adam",
@@ -59,37 +61,10 @@ VOCAB = 256
 LR = 1e-3
 
 
-class Block(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-        self.fc, self.out = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
-        self.heads = max(1, dim // 64)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in self.qkv(self.ln1(x)).split(d, -1))
-        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-
-class GPT(nn.Module):
-    def __init__(self, dim: int, layers: int, seq: int) -> None:
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(VOCAB, dim), nn.Embedding(seq, dim)
-        self.blocks = nn.Sequential(*[Block(dim) for _ in range(layers)])
-        self.ln, self.head = nn.LayerNorm(dim), nn.Linear(dim, VOCAB, bias=False)
-
-    def forward(self, tokens):
-        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
-        return self.head(self.ln(self.blocks(x)))
-
-
 def make_model(size: str, device) -> GPT:
     torch.manual_seed(0)
     cfg = SIZES[size]
-    return GPT(cfg["dim"], cfg["layers"], cfg["seq"]).to(device)
+    return GPT(VOCAB, cfg["dim"], cfg["layers"], max(1, cfg["dim"] // 64), cfg["seq"]).to(device)
 
 
 def tokens_for(size: str, step: int, rank: int, device) -> torch.Tensor:
@@ -128,8 +103,7 @@ def train_step(size, setup, step, rank, device):
     wrapped, opt, set_to_none, _ = setup
     tokens = tokens_for(size, step, rank, device)
     opt.zero_grad(set_to_none=set_to_none)
-    logits = wrapped(tokens[:, :-1])
-    loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+    loss = next_token_loss(wrapped, tokens)
     loss.backward()
     grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in wrapped.parameters() if p.grad is not None)
     opt.step()

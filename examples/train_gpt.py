@@ -31,40 +31,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from gpt import GPT, next_token_loss  # examples/gpt.py, beside this script
 from sharded import OSS, ShardedDataParallel, ShardedGradScaler
 
 VOCAB = 256  # bytes
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in self.qkv(self.ln1(x)).split(d, -1))
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, d))
-        return x + self.mlp(self.ln2(x))
-
-
-class GPT(nn.Module):
-    def __init__(self, dim: int, layers: int, heads: int, seq: int) -> None:
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(VOCAB, dim), nn.Embedding(seq, dim)
-        self.blocks = nn.Sequential(*[Block(dim, heads) for _ in range(layers)])
-        self.ln, self.head = nn.LayerNorm(dim), nn.Linear(dim, VOCAB, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
-        return self.head(self.ln(self.blocks(x)))
 
 
 def stdlib_text() -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,11 +50,6 @@ def stdlib_text() -> tuple[torch.Tensor, torch.Tensor]:
 def sample(data: torch.Tensor, generator: torch.Generator, batch: int, seq: int, device) -> torch.Tensor:
     starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=generator)
     return torch.stack([data[s : s + seq + 1] for s in starts]).to(device)
-
-
-def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    logits = model(tokens[:, :-1])
-    return F.cross_entropy(logits.reshape(-1, VOCAB).float(), tokens[:, 1:].reshape(-1))
 
 
 def build(stage: str, model: nn.Module, args):
@@ -100,7 +67,7 @@ def validation_loss(model: nn.Module, val: torch.Tensor, args, device) -> float:
     total = torch.zeros((), device=device)
     for _ in range(args.val_batches):
         with autocast(args, device):
-            total += lm_loss(model, sample(val, g, args.batch, args.seq, device))
+            total += next_token_loss(model, sample(val, g, args.batch, args.seq, device))
     dist.all_reduce(total)
     return total.item() / args.val_batches / dist.get_world_size()
 
@@ -114,7 +81,7 @@ def autocast(args, device):
 def train_stage(stage: str, args, device, train: torch.Tensor, val: torch.Tensor) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = GPT(args.dim, args.layers, args.heads, args.seq).to(device)
+    model = GPT(VOCAB, args.dim, args.layers, args.heads, args.seq).to(device)
     wrapped, optimizer = build(stage, model, args)
     scaler = ShardedGradScaler(enabled=args.amp == "fp16", device=device.type)
     ckpt = Path(args.out) / f"checkpoint-stage-{stage}.pt"
@@ -129,7 +96,7 @@ def train_stage(stage: str, args, device, train: torch.Tensor, val: torch.Tensor
         for micro in range(args.accumulate):
             last = micro == args.accumulate - 1
             with (contextlib.nullcontext() if last else wrapped.no_sync()), autocast(args, device):
-                loss = lm_loss(wrapped, sample(train, g, args.batch, args.seq, device)) / args.accumulate
+                loss = next_token_loss(wrapped, sample(train, g, args.batch, args.seq, device)) / args.accumulate
             scaler.scale(loss).backward()
         grads = held_bytes(p.grad for p in model.parameters() if p.grad is not None)
         scaler.unscale_(optimizer)
