@@ -30,7 +30,6 @@ from ._flat import (
 __all__ = [
     "Bucket",
     "PendingBroadcasts",
-    "broadcast_buckets",
     "make_resident",
     "plan_broadcasts",
     "release_residents",
@@ -104,20 +103,6 @@ def release_residents(old: Sequence[Bucket], keep: Sequence[Bucket]) -> None:
                 t.data = t.detach().clone()
 
 
-def broadcast_buckets(
-    buckets: Sequence[Bucket],
-    group: _comm.ProcessGroup,
-    wire_dtype: Optional[torch.dtype] = None,
-) -> None:
-    """Overwrite every rank's copy of each bucket's tensors with the values on its ``src``.
-
-    With ``wire_dtype`` (e.g. ``torch.float16``) floating tensors of a wider type travel in that
-    type: half the bytes, and receivers get the sender's values rounded to it. The sender keeps
-    its exact values, so rounding never accumulates from step to step.
-    """
-    start_broadcasts(buckets, group, wire_dtype).wait()
-
-
 class PendingBroadcasts:
     """Broadcasts in flight; :meth:`wait` completes them and unpacks what was received."""
 
@@ -142,7 +127,13 @@ def start_broadcasts(
     group: _comm.ProcessGroup,
     wire_dtype: Optional[torch.dtype] = None,
 ) -> PendingBroadcasts:
-    """Issue the broadcasts of :func:`broadcast_buckets` without waiting for them."""
+    """Start overwriting every rank's copy of each bucket's tensors with the values on its ``src``.
+
+    With ``wire_dtype`` (e.g. ``torch.float16``) floating tensors of a wider type travel in that
+    type: half the bytes, and receivers get the sender's values rounded to it. The sender keeps
+    its exact values, so rounding never accumulates from step to step. Call ``wait()`` on the
+    result before the tensors are read.
+    """
     me = _comm.group_rank(group)
     in_flight = []
     if _comm.group_size(group) > 1:
