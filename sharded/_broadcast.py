@@ -112,7 +112,8 @@ class PendingBroadcasts:
 
     def wait(self) -> None:
         for bucket, message, in_place, work in self._in_flight:
-            work.wait()
+            with torch.profiler.record_function("sharded::wait_broadcast"):
+                work.wait()
             if self._me != bucket.src and not in_place:
                 with torch.profiler.record_function("sharded::unpack_broadcast"):
                     if bucket.flat is not None:

@@ -354,7 +354,8 @@ class GradRouter:
 
     def _finish(self, fill: Fill, work: dist.Work, is_correction: bool) -> None:
         """Wait for a bucket's reduce; the owner takes the results, everyone else lets go."""
-        work.wait()
+        with torch.profiler.record_function("sharded::wait_reduce"):
+            work.wait()
         if fill.bucket.owner == self.rank:
             fill.hand_out(add_to_existing=is_correction)
 
