@@ -11,7 +11,7 @@ $(VENV)/.installed: setup.cfg setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet -e '.[test,demo]'
+	$(BIN)/pip install --quiet -e '.[test,demo,lightning]'
 	touch $@
 
 test: $(VENV)/.installed
