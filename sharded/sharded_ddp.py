@@ -217,6 +217,15 @@ class ShardedDataParallel(nn.Module):
         self._router = self._build_router()
         self._trainability = self._current_trainability()
 
+    def remove_hooks(self) -> None:
+        """Take this wrapper's gradient hooks off the module's parameters; the wrapper is done.
+
+        The hooks live on the parameters, not on the wrapper, so a wrapper that is dropped while
+        its module lives on (to be trained again, or wrapped anew, as Lightning does after each
+        ``fit``) would keep reducing gradients for no one. Call it when done with the wrapper.
+        """
+        self._router.remove_hooks()
+
     # --------------------------------------------------------------------- buffers, device
 
     def sync_buffers(self, blocking: bool = False) -> Optional[PendingBroadcasts]:
