@@ -185,6 +185,8 @@ class GradRouter:
 
     def _on_grad_ready(self, index: int, param: torch.Tensor) -> None:
         if not self.sync_enabled:
+            if self.phase is Phase.REDUCED:  # no step consumed the last reduce (a skipped one)
+                self._leave_reduced(current=param)  # decide before no_sync() refills the grads
             return
         self._check_reducible(param)
         if self.phase is not Phase.BACKWARD:
@@ -247,16 +249,23 @@ class GradRouter:
     # ---------------------------------------------------------------------- bucket life
 
     def _begin_backward(self, current: Optional[torch.Tensor]) -> None:
-        if self.phase is Phase.REDUCED and not self._grads_cleared_on_every_rank(current):
+        if self.phase is Phase.REDUCED:
+            self._leave_reduced(current)
+        self.phase = Phase.BACKWARD
+        waiting = [sum(1 for i in members if self._expected[i] > 0) for members in self._members]
+        self._pass = Pass(len(self.params), waiting)
+
+    def _leave_reduced(self, current: Optional[torch.Tensor]) -> None:
+        """A backward (synced or inside no_sync) starts while the last reduce was not consumed
+        by a step: go on only if zero_grad() cleared the gradients since (a skipped step)."""
+        if not self._grads_cleared_on_every_rank(current):
             raise RuntimeError(
                 f"rank {self.rank}: backward ran again after the gradients were reduced and "
                 "before optimizer.step() or zero_grad(); non-owner ranks have already released "
                 "theirs, so they cannot be accumulated. Accumulate inside no_sync(), or step and "
                 "zero the gradients between backward passes."
             )
-        self.phase = Phase.BACKWARD
-        waiting = [sum(1 for i in members if self._expected[i] > 0) for members in self._members]
-        self._pass = Pass(len(self.params), waiting)
+        self.phase = Phase.IDLE
 
     def _queue_end_of_backward(self) -> None:
         if not self._end_queued:
