@@ -1,0 +1,34 @@
+"""Lightning strategies over sharded's layers: ``Trainer(strategy="ddp_sharded")`` works again.
+
+Importing this package registers ``"ddp_sharded"`` (ZeRO-2) and ``"ddp_zero1"`` (ZeRO-1) with the
+Lightning Trainer and with Lightning Fabric::
+
+    import lightning as L
+    import sharded.lightning  # noqa: F401  (registers the strategies)
+
+    trainer = L.Trainer(strategy="ddp_sharded", accelerator="gpu", devices=8)
+
+It needs Lightning 2 (``pip install 'sharded[lightning]'``); ``import sharded`` alone never
+imports Lightning. Strategy classes: :class:`ShardedDDPStrategy` for the Trainer, and
+``sharded.lightning.fabric.ShardedDDPStrategy`` for Fabric.
+"""
+
+from __future__ import annotations
+
+try:
+    import lightning  # noqa: F401
+except ImportError as error:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "sharded.lightning needs Lightning 2.x (the 'lightning' package): pip install 'sharded[lightning]'"
+    ) from error
+
+from lightning.fabric.strategies import STRATEGY_REGISTRY as _FABRIC_REGISTRY
+from lightning.pytorch.strategies import StrategyRegistry as _TRAINER_REGISTRY
+
+from . import fabric
+from .ddp import ShardedDDPStrategy
+
+__all__ = ["ShardedDDPStrategy", "fabric"]
+
+ShardedDDPStrategy.register_strategies(_TRAINER_REGISTRY)
+fabric.ShardedDDPStrategy.register_strategies(_FABRIC_REGISTRY)
