@@ -91,3 +91,14 @@ def wire_dtype_for(dtype: torch.dtype, wire_dtype: torch.dtype | None) -> torch.
 def _views(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     pieces = flat.split([t.numel() for t in tensors])
     return [piece.view(t.shape) for piece, t in zip(pieces, tensors)]
+
+
+def column_blocks(flat: torch.Tensor, rows: int, widths: Sequence[int]) -> list[torch.Tensor]:
+    """``flat`` seen as ``rows`` equal rows, cut into consecutive column blocks of ``widths``.
+
+    A rank-major collective buffer (row ``r`` is rank ``r``'s chunk) holds each tensor's shards
+    as one column block, so block ``i`` (a ``rows x widths[i]`` strided view) is everything the
+    ranks hold of tensor ``i``; one ``torch._foreach_copy_`` over the blocks converts between the
+    rank-major layout that collectives need and the tensor-major layout that compute needs.
+    """
+    return list(flat.view(rows, sum(widths)).split(list(widths), dim=1))
