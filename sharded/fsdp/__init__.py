@@ -19,6 +19,12 @@ _EXPORTS = {
     "OffloadPolicy": ".policies",
     "CPUOffloadPolicy": ".policies",
     "BackwardPrefetch": ".policies",
+    "FullyShardedDataParallel": ".fully_sharded_data_parallel",
+    "ShardingStrategy": ".fully_sharded_data_parallel",
+    "CPUOffload": ".fully_sharded_data_parallel",
+    "MixedPrecision": ".fully_sharded_data_parallel",
+    "clip_grad_norm_": "._grad_norm",
+    "summon_full_params": "._full_params",
 }
 
 __all__ = list(_EXPORTS)

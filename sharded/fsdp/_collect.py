@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 from ._registry import owner_of, replaced_as
 from ._unit import unit_of
 
-__all__ = ["UnitParam", "collect_unit_params", "check_not_sharded"]
+__all__ = ["UnitParam", "collect_unit_params", "check_not_sharded", "modules_outside_units"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -30,7 +30,7 @@ def collect_unit_params(module: nn.Module, ignored: set[int], rank: int) -> list
     """The parameters of ``module`` and its submodules that no unit below owns and that are not
     ``ignored`` (by id), in registration order, each with every slot it is registered in."""
     found: dict[int, UnitParam] = {}
-    for prefix, sub in _modules_outside_units(module):
+    for prefix, sub in modules_outside_units(module):
         for attr, param in sub._parameters.items():
             if param is None or id(param) in ignored:
                 continue
@@ -42,7 +42,7 @@ def collect_unit_params(module: nn.Module, ignored: set[int], rank: int) -> list
     return params
 
 
-def _modules_outside_units(module: nn.Module, prefix: str = "", seen=None) -> Iterator[tuple[str, nn.Module]]:
+def modules_outside_units(module: nn.Module, prefix: str = "", seen=None) -> Iterator[tuple[str, nn.Module]]:
     """``(prefix, submodule)`` for ``module`` and every descendant not inside a lower unit."""
     seen = set() if seen is None else seen
     if id(module) in seen:
@@ -51,7 +51,7 @@ def _modules_outside_units(module: nn.Module, prefix: str = "", seen=None) -> It
     yield prefix, module
     for name, child in module._modules.items():
         if child is not None and unit_of(child) is None:
-            yield from _modules_outside_units(child, f"{prefix}{name}.", seen)
+            yield from modules_outside_units(child, f"{prefix}{name}.", seen)
 
 
 def _check_can_take(param: nn.Parameter, name: str, where: str, rank: int) -> None:

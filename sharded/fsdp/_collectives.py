@@ -65,19 +65,21 @@ class Reduction:
     params: list[ShardedParam]
     had_grad_here: list[bool]
     output: torch.Tensor
-    work: Optional[dist.Work]
+    work: Optional[dist.Work]  # the reduce-scatter (None with a single shard)
     replicate_group: Optional[dist.ProcessGroup]
     streams: CommStreams
     sent: Optional[torch.Tensor]
     _replica_work: Optional[dist.Work] = field(default=None)
+    _scattered: bool = field(default=False)
 
     def advance(self) -> None:
         """Wait for the reduce-scatter and start the all-reduce across replicas, if any."""
-        if self.work is None:
+        if self._scattered:
             return
         with self.streams.on_reduce_scatter():
-            self.work.wait()
-            self.work, self.sent = None, None
+            if self.work is not None:
+                self.work.wait()
+            self.work, self.sent, self._scattered = None, None, True
             if self.replicate_group is not None:
                 self._replica_work = _comm.start_all_reduce(self.output, self.replicate_group, _comm.mean_op(self.output.dtype))
 

@@ -14,7 +14,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["MeshInfo", "resolve_mesh", "hybrid_mesh"]
+from .. import _comm
+
+__all__ = ["MeshInfo", "resolve_mesh", "hybrid_mesh", "mesh_from_groups"]
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,23 @@ def hybrid_mesh(shard_size: int, group: Optional[dist.ProcessGroup] = None) -> D
         raise ValueError(f"hybrid sharding needs the world size ({world}) to be a multiple of the shard size ({shard_size})")
     ranks = torch.tensor(dist.get_process_group_ranks(group)).view(world // shard_size, shard_size)
     return DeviceMesh(_device_type(group), ranks, mesh_dim_names=("replicate", "shard"))
+
+
+def mesh_from_groups(shard_group: dist.ProcessGroup, replicate_group: dist.ProcessGroup) -> DeviceMesh:
+    """The 2-D ``(replicate, shard)`` mesh that FSDP1's ``process_group=(shard, replicate)``
+    pair describes. Collective over the world: every rank tells the others its shard group."""
+    mine = torch.tensor(dist.get_process_group_ranks(shard_group), device=_comm.comm_device(None))
+    rows = _comm.all_gather(mine, None)
+    unique = list({tuple(row.tolist()): None for row in rows})
+    column = dist.get_process_group_ranks(replicate_group)
+    index = dist.get_rank(shard_group)
+    strays = [row for row in unique if row[index] not in column]
+    if strays or len(unique) != len(column):
+        raise ValueError("process_group=(shard_group, replicate_group): the groups do not form a grid of ranks")
+    unique.sort(key=lambda row: column.index(row[index]))
+    return DeviceMesh.from_group(
+        [replicate_group, shard_group], _device_type(shard_group), mesh=torch.tensor(unique), mesh_dim_names=("replicate", "shard")
+    )
 
 
 def _device_type(group: dist.ProcessGroup) -> str:

@@ -118,6 +118,14 @@ class ShardedParam:
         rows = slot.view(g.rows_per_shard, *g.shape[1:])
         return rows[: g.rows_held_by(self.shard_rank)]
 
+    def rows_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a full-shape tensor (the whole of a replicated one)."""
+        g = self.geometry
+        if g.replicated:
+            return full
+        start = self.shard_rank * g.rows_per_shard
+        return full[start : start + g.rows_held_by(self.shard_rank)]
+
     def as_dtensor(self, local: torch.Tensor) -> DTensor:
         """``local`` (this rank's rows) as a DTensor of the parameter's global shape."""
         g = self.geometry

@@ -71,7 +71,7 @@ class UnitStorage:
         flat = self._new_flat(fulls[0].dtype if fulls else torch.float32, device)
         for sp, full, slot in zip(self.params, fulls, self._slots(flat)):
             if not on_meta:
-                sp.local_part(slot).copy_(self._my_rows(sp, full.detach()))
+                sp.local_part(slot).copy_(sp.rows_of(full.detach()))
             sp.attach_shard(slot, requires_grad=full.requires_grad)
         self.sharded_flat = flat
 
@@ -102,13 +102,6 @@ class UnitStorage:
                     f"{where}: parameter {sp.fqn} is still on the meta device; materialise the model "
                     "(module.to_empty(device=...) and initialise it) before its first forward"
                 )
-
-    def _my_rows(self, sp: ShardedParam, full: torch.Tensor) -> torch.Tensor:
-        g = sp.geometry
-        if g.replicated:
-            return full
-        start = sp.shard_rank * g.rows_per_shard
-        return full[start : start + g.rows_held_by(sp.shard_rank)]
 
     def _storage_device(self, device: torch.device) -> torch.device:
         return torch.device("cpu") if self._offload else device
