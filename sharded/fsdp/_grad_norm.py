@@ -75,7 +75,9 @@ def _where(grad: torch.Tensor) -> tuple[Union[dist.ProcessGroup, None], torch.Te
 
 
 def _local_part(tensors: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
-    """``max |x|`` (inf-norm) or ``sum |x|^p`` over ``tensors``, in fp32 on ``device``."""
+    """``max |x|`` (inf-norm) or ``sum |x|^p`` over ``tensors``, in fp32 on ``device``. Empty
+    shards (a rank past a short parameter's last row) count as 0."""
+    tensors = [t for t in tensors if t.numel()]
     if not tensors:
         return torch.zeros((), dtype=torch.float32, device=device)
     norms = torch.stack([torch.linalg.vector_norm(t, norm_type, dtype=torch.float32).to(device) for t in tensors])
