@@ -20,7 +20,6 @@ from tests._fsdp_reference import (
     TiedGPT,
     UnevenNet,
     assert_matches_ddp,
-    full_tensors,
     shard_gpt,
     train_both,
     uneven_batch,

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ._errors import on_rank
 from ._unit import TrainingState, Unit, units_under
 
 __all__ = ["summon_full_params", "full_state_dict", "load_full_state_dict"]
@@ -30,7 +31,7 @@ def summon_full_params(
         offload_to_cpu: put the full parameters on the CPU.
     """
     if rank0_only and writeback:
-        raise ValueError("summon_full_params: rank0_only=True needs writeback=False (other ranks hold no full copy to write)")
+        raise ValueError(on_rank("summon_full_params: rank0_only=True needs writeback=False (other ranks hold no full copy to write)"))
     units = units_under(module)
     busy = [u for u in units if u.training_state is not TrainingState.IDLE]
     if busy:

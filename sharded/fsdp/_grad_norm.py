@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .. import _comm
+from ._errors import on_rank
 
 __all__ = ["clip_grad_norm_", "global_grad_norm"]
 
@@ -55,7 +56,7 @@ def clip_grad_norm_(
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     total = global_grad_norm(params, norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
-        raise RuntimeError(f"the total norm of order {float(norm_type)} of the gradients is non-finite: {total.item()}")
+        raise RuntimeError(on_rank(f"the total norm of order {float(norm_type)} of the gradients is non-finite: {total.item()}"))
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in params:
         if p.grad is not None:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from .. import _comm
+from ._errors import on_rank
 
 __all__ = ["MeshInfo", "resolve_mesh", "hybrid_mesh", "mesh_from_groups"]
 
@@ -54,14 +55,14 @@ def resolve_mesh(process_group: Optional[dist.ProcessGroup], mesh: Optional[Devi
     """The mesh a ``fully_shard`` call asked for: ``mesh``, or a 1-D mesh over
     ``process_group`` (default: the whole world)."""
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("fully_shard needs torch.distributed initialised: call dist.init_process_group first")
+        raise RuntimeError(on_rank("fully_shard needs torch.distributed initialised: call dist.init_process_group first"))
     if process_group is not None and mesh is not None:
-        raise ValueError("pass process_group or mesh to fully_shard, not both")
+        raise ValueError(on_rank("pass process_group or mesh to fully_shard, not both"))
     if mesh is None:
         group = process_group or dist.group.WORLD
         mesh = DeviceMesh.from_group(group, _device_type(group))
     if mesh.ndim not in (1, 2):
-        raise ValueError(f"fully_shard takes a 1-D mesh (shard) or a 2-D mesh (replicate, shard), got {mesh.ndim}-D")
+        raise ValueError(on_rank(f"fully_shard takes a 1-D mesh (shard) or a 2-D mesh (replicate, shard), got {mesh.ndim}-D"))
     return MeshInfo(mesh)
 
 
@@ -71,7 +72,7 @@ def hybrid_mesh(shard_size: int, group: Optional[dist.ProcessGroup] = None) -> D
     group = group or dist.group.WORLD
     world = dist.get_world_size(group)
     if shard_size < 1 or world % shard_size:
-        raise ValueError(f"hybrid sharding needs the world size ({world}) to be a multiple of the shard size ({shard_size})")
+        raise ValueError(on_rank(f"hybrid sharding needs the world size ({world}) to be a multiple of the shard size ({shard_size})"))
     ranks = torch.tensor(dist.get_process_group_ranks(group)).view(world // shard_size, shard_size)
     return DeviceMesh(_device_type(group), ranks, mesh_dim_names=("replicate", "shard"))
 
@@ -86,7 +87,7 @@ def mesh_from_groups(shard_group: dist.ProcessGroup, replicate_group: dist.Proce
     index = dist.get_rank(shard_group)
     strays = [row for row in unique if row[index] not in column]
     if strays or len(unique) != len(column):
-        raise ValueError("process_group=(shard_group, replicate_group): the groups do not form a grid of ranks")
+        raise ValueError(on_rank("process_group=(shard_group, replicate_group): the groups do not form a grid of ranks"))
     unique.sort(key=lambda row: column.index(row[index]))
     return DeviceMesh.from_group(
         [replicate_group, shard_group], _device_type(shard_group), mesh=torch.tensor(unique), mesh_dim_names=("replicate", "shard")

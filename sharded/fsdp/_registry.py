@@ -20,7 +20,7 @@ import torch.distributed as dist
 __all__ = ["register_sharded", "owner_of", "retire", "replaced_as", "install_optimizer_guard"]
 
 _owners: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
-_retired: dict[int, tuple[weakref.ref, str]] = {}
+_retired: dict[int, tuple[weakref.ref, Any]] = {}
 _guard_lock = threading.Lock()
 _guard_installed = False
 
@@ -36,16 +36,20 @@ def owner_of(param: torch.Tensor) -> Optional[Any]:
     return unit if unit is not None and any(sp.sharded is param for sp in unit.params) else None
 
 
-def retire(original: torch.Tensor, description: str) -> None:
-    """Record that ``original`` was replaced by a sharded parameter (``description`` names it)."""
+def retire(original: torch.Tensor, unit: Any, replacement: Any) -> None:
+    """Record that ``original`` was replaced by ``replacement`` (a ShardedParam of ``unit``)."""
     key = id(original)
-    _retired[key] = (weakref.ref(original, lambda _ref: _retired.pop(key, None)), description)
+    _retired[key] = (weakref.ref(original, lambda _ref: _retired.pop(key, None)), (unit.module_name, replacement))
 
 
 def replaced_as(param: torch.Tensor) -> Optional[str]:
-    """What replaced ``param``, if ``fully_shard`` replaced it."""
+    """What replaced ``param``, if ``fully_shard`` replaced it: its name (the full path once the
+    model has run a forward) and the module whose fully_shard took it."""
     entry = _retired.get(id(param))
-    return entry[1] if entry is not None and entry[0]() is param else None
+    if entry is None or entry[0]() is not param:
+        return None
+    module_name, replacement = entry[1]
+    return f"{replacement.fqn} (taken by fully_shard({module_name}))"
 
 
 def install_optimizer_guard() -> None:
@@ -66,7 +70,7 @@ def _refuse_replaced_params(optimizer: torch.optim.Optimizer, _args: Any, _kwarg
             if replacement is not None:
                 rank = dist.get_rank() if dist.is_initialized() else 0
                 raise RuntimeError(
-                    f"rank {rank}: {type(optimizer).__name__} holds the parameter that fully_shard replaced by "
-                    f"the sharded {replacement}; it gets no gradient, so this optimizer would train nothing. "
+                    f"rank {rank}: {type(optimizer).__name__} holds parameter {replacement} as it was before "
+                    "sharding; it gets no gradient, so this optimizer would train nothing. "
                     "Build the optimizer after fully_shard / FullyShardedDataParallel, from model.parameters()"
                 )

@@ -18,6 +18,7 @@ from torch import nn
 
 from .._checks import check_same_across_ranks
 from ._collectives import Reduction
+from ._errors import on_rank
 from ._unit import ShardState, TrainingState, Unit, units_under
 
 __all__ = ["Root"]
@@ -65,9 +66,12 @@ class Root:
     def _check_same_across_ranks(self) -> None:
         named = [(sp.fqn, sp.sharded) for u in self.units for sp in u.params]
         info = self.unit.mesh_info
-        check_same_across_ranks(named, info.shard_group, "fully_shard parameters")
-        if info.replicate_group is not None:
-            check_same_across_ranks(named, info.replicate_group, "fully_shard parameters")
+        groups = [info.shard_group] + ([info.replicate_group] if info.replicate_group is not None else [])
+        try:
+            for group in groups:
+                check_same_across_ranks(named, group, "fully_shard parameters")
+        except ValueError as mismatch:
+            raise ValueError(on_rank(str(mismatch))) from mismatch
 
     # ------------------------------------------------------------------------ forward
 

@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._collect import check_not_sharded, collect_unit_params
+from ._errors import on_rank
 from ._hooks import install_forward_hooks
 from ._mesh import resolve_mesh
 from ._param import ShardedParam, ShardGeometry
@@ -69,23 +70,22 @@ def fully_shard(
         ignored_params: parameters to leave alone: not sharded, not gathered, not reduced.
     """
     if not isinstance(module, nn.Module):
-        raise TypeError(f"fully_shard takes an nn.Module, got {type(module).__name__}")
+        raise TypeError(on_rank(f"fully_shard takes an nn.Module, got {type(module).__name__}"))
     if not isinstance(reshard_after_forward, bool):
-        raise TypeError(f"reshard_after_forward must be True or False, got {reshard_after_forward!r}")
+        raise TypeError(on_rank(f"reshard_after_forward must be True or False, got {reshard_after_forward!r}"))
     info = resolve_mesh(process_group, mesh)
-    rank = dist.get_rank()
-    check_not_sharded(module, rank)
-    taken = collect_unit_params(module, _ids_of(module, ignored_params, rank), rank)
+    check_not_sharded(module)
+    taken = collect_unit_params(module, _ids_of(module, ignored_params))
     params = [
         ShardedParam(name, slots, ShardGeometry(param.shape, info.shard_world), info.mesh, info.shard_rank)
         for name, param, slots in taken
     ]
     unit = Unit(module, params, info, UnitConfig(mp_policy, offload_policy, reshard_after_forward))
     unit.storage.shard_from_full([param for _, param, _ in taken])
-    for sp, (name, original, _) in zip(params, taken):
+    for sp, (_, original, _) in zip(params, taken):
         sp.show_sharded()
         register_sharded(sp.sharded, unit)
-        retire(original, f"{unit.module_name}'s {name}")
+        retire(original, unit, sp)
     _move_buffers(module, info.device)
     install_forward_hooks(module, functools.partial(_pre_forward, unit), unit.post_forward)
     install_optimizer_guard()
@@ -99,12 +99,12 @@ def _pre_forward(unit: Unit, args: Any, kwargs: Any) -> tuple[Any, Any]:
     return unit.pre_forward(args, kwargs)
 
 
-def _ids_of(module: nn.Module, ignored_params: Optional[Iterable[nn.Parameter]], rank: int) -> set[int]:
+def _ids_of(module: nn.Module, ignored_params: Optional[Iterable[nn.Parameter]]) -> set[int]:
     ignored = list(ignored_params or ())
     own = {id(p) for p in module.parameters()}
     strangers = [i for i, p in enumerate(ignored) if id(p) not in own]
     if strangers:
-        raise ValueError(f"rank {rank}: ignored_params[{strangers[0]}] is not a parameter of the module given to fully_shard")
+        raise ValueError(on_rank(f"ignored_params[{strangers[0]}] is not a parameter of the module given to fully_shard"))
     return {id(p) for p in ignored}
 
 
@@ -199,5 +199,5 @@ def _units_of(modules: list[nn.Module]) -> list[Unit]:
     units = [unit_of(m) for m in modules]
     missing = [type(m).__name__ for m, u in zip(modules, units) if u is None]
     if missing:
-        raise ValueError(f"prefetch targets must be modules fully_shard was applied to; {missing[0]} is not")
+        raise ValueError(on_rank(f"prefetch targets must be modules fully_shard was applied to; {missing[0]} is not"))
     return units  # type: ignore[return-value]

@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .. import _comm
 from ._collect import modules_outside_units
+from ._errors import on_rank
 from ._full_params import full_state_dict, load_full_state_dict, summon_full_params
 from ._grad_norm import clip_grad_norm_
 from ._mesh import MeshInfo, hybrid_mesh, mesh_from_groups, resolve_mesh
@@ -118,7 +119,7 @@ class FullyShardedDataParallel(nn.Module):
     ) -> None:
         super().__init__()
         if auto_wrap_policy is not None and fsdp_auto_wrap_policy is not None:
-            raise ValueError("pass auto_wrap_policy or its alias fsdp_auto_wrap_policy, not both")
+            raise ValueError(on_rank("pass auto_wrap_policy or its alias fsdp_auto_wrap_policy, not both"))
         if not use_orig_params:
             logger.info("use_orig_params=False is treated as True: parameters are always the original ones")
         strategy = sharding_strategy or ShardingStrategy.FULL_SHARD
@@ -176,7 +177,7 @@ class FullyShardedDataParallel(nn.Module):
     ) -> contextlib.AbstractContextManager:
         """Collective context with full parameters in every sharded module under ``module``."""
         if with_grads:
-            raise NotImplementedError("summon_full_params(with_grads=True) is not supported")
+            raise NotImplementedError(on_rank("summon_full_params(with_grads=True) is not supported"))
         return summon_full_params(module, writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu)
 
     def state_dict(self, *args: Any, destination: Optional[dict] = None, prefix: str = "", keep_vars: bool = False) -> dict:
@@ -200,7 +201,7 @@ class FullyShardedDataParallel(nn.Module):
 def _mesh_for(strategy: ShardingStrategy, process_group: ProcessGroups, device_mesh: Optional[DeviceMesh]) -> DeviceMesh:
     hybrid = strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
     if not hybrid and isinstance(process_group, tuple):
-        raise ValueError(f"a (shard_group, replicate_group) pair is for hybrid sharding, not {strategy.name}")
+        raise ValueError(on_rank(f"a (shard_group, replicate_group) pair is for hybrid sharding, not {strategy.name}"))
     if hybrid:
         if device_mesh is not None:
             return device_mesh
@@ -218,7 +219,7 @@ def _ranks_per_node() -> int:
         return int(local)
     if torch.cuda.is_available():
         return torch.cuda.device_count()
-    raise ValueError("hybrid sharding: pass device_mesh or process_group=(shard, replicate), or run under torchrun (LOCAL_WORLD_SIZE)")
+    raise ValueError(on_rank("hybrid sharding: pass device_mesh or process_group=(shard, replicate), or run under torchrun (LOCAL_WORLD_SIZE)"))
 
 
 def _device_for(device_id: Union[None, int, torch.device], default: torch.device) -> torch.device:
@@ -254,7 +255,7 @@ def _materialise(module: nn.Module, param_init_fn: Optional[Callable[[nn.Module]
             continue
         reset = getattr(sub, "reset_parameters", None)
         if reset is None:
-            raise ValueError(f"rank {dist.get_rank()}: {type(sub).__name__} is on the meta device and has no reset_parameters(); pass param_init_fn")
+            raise ValueError(on_rank(f"{type(sub).__name__} is on the meta device and has no reset_parameters(); pass param_init_fn"))
         sub.to_empty(device=device, recurse=False)
         reset()
 

@@ -18,6 +18,8 @@ from typing import Callable, Iterable, Optional, Union
 
 from torch import nn
 
+from ._errors import on_rank
+
 __all__ = [
     "ModuleWrapPolicy",
     "always_wrap_policy",
@@ -87,7 +89,7 @@ def as_wrap_policy(policy: Union[None, WrapPolicy, ModuleWrapPolicy, type, Itera
     classes = [policy] if isinstance(policy, type) else list(policy)
     strays = [c for c in classes if not (isinstance(c, type) and issubclass(c, nn.Module))]
     if strays:
-        raise TypeError(f"auto_wrap_policy: expected a callable or module classes, got {strays[0]!r}")
+        raise TypeError(on_rank(f"auto_wrap_policy: expected a callable or module classes, got {strays[0]!r}"))
     return ModuleWrapPolicy(classes)
 
 
