@@ -15,6 +15,7 @@ from sharded import fully_shard
 from tests._fsdp_reference import (
     ADAMW,
     SGD,
+    STEPS,
     CountCollectives,
     MixedBag,
     TiedGPT,
@@ -172,3 +173,51 @@ def _check_freeze_unfreeze(rank, world):
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_freezing_and_unfreezing_parts_of_a_unit_between_steps_matches_ddp(world_size):
     run_on_ranks(_check_freeze_unfreeze, world_size)
+
+
+def _check_explicit_prefetch_and_manual_unshard(rank, world):
+    ref, ours = DDP(gpt(layers=3)), shard_gpt(gpt(layers=3))
+    blocks = list(ours.blocks)
+    ours.set_modules_to_forward_prefetch([blocks[0], blocks[1]])  # the root gathers two blocks ahead
+    for earlier, later in zip(blocks, blocks[1:]):
+        later.set_modules_to_backward_prefetch([earlier])
+    ref_opt, our_opt = _optimizers(SGD, ref, ours)
+    for step in range(STEPS):
+        handle = blocks[2].unshard(async_op=True)  # by hand, before the forward
+        handle.wait()
+        assert isinstance(blocks[2].qkv.weight, torch.nn.Parameter) and not isinstance(blocks[2].qkv.weight, DTensor)
+        blocks[2].reshard()
+        assert isinstance(blocks[2].qkv.weight, DTensor)
+        train_both([(ref, ref_opt), (ours, our_opt)], rank, steps=1, first=step)
+    assert_matches_ddp(ours, ref.module, "explicit prefetch lists and a manual unshard")
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_explicit_prefetch_and_manual_unshard_match_ddp(world_size):
+    run_on_ranks(_check_explicit_prefetch_and_manual_unshard, world_size)
+
+
+def _check_distributed_checkpoint(rank, world, path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    ref, ours = DDP(gpt()), shard_gpt(gpt())
+    ref_opt, our_opt = _optimizers(ADAMW, ref, ours)
+    train_both([(ref, ref_opt), (ours, our_opt)], rank, steps=2)
+    model_state, optim_state = get_state_dict(ours, our_opt)
+    assert all(isinstance(v, DTensor) for v in model_state.values()), "DCP sees ordinary DTensors"
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+    resumed = shard_gpt(gpt(seed=3))
+    (resumed_opt,) = _optimizers(ADAMW, resumed)
+    train_both([(resumed, resumed_opt)], rank, steps=1)  # give it optimizer state to overwrite
+    model_state, optim_state = get_state_dict(resumed, resumed_opt)
+    loaded = {"model": model_state, "optim": optim_state}
+    dcp.load(loaded, checkpoint_id=path)
+    set_state_dict(resumed, resumed_opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    train_both([(ref, ref_opt), (resumed, resumed_opt)], rank, steps=3, first=2)
+    assert_matches_ddp(resumed, ref.module, "resumed from torch.distributed.checkpoint", ADAMW)
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_torch_distributed_checkpoint_saves_and_resumes_model_and_optimizer(world_size, tmp_path):
+    run_on_ranks(_check_distributed_checkpoint, world_size, str(tmp_path / "dcp"))
