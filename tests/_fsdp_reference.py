@@ -160,7 +160,7 @@ class CountCollectives:
     them up at call time, so patching the module attributes sees them)."""
 
     GATHERS = ("all_gather_single", "all_gather_into_tensor")
-    REDUCES = ("reduce_scatter_single", "reduce_scatter_tensor", "all_reduce")
+    REDUCES = ("reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor", "all_reduce")
 
     def __enter__(self) -> "CountCollectives":
         self.gathers, self.reduces, self.gathered_bytes = 0, 0, 0
