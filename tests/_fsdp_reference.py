@@ -123,19 +123,20 @@ def uneven_loss(model: nn.Module, batch) -> torch.Tensor:
 
 
 class Twice(nn.Module):
-    """A block that calls the same submodule twice in one forward."""
+    """A block that calls the same submodule twice in one forward, and changes its input in place."""
 
     def __init__(self, dim: int) -> None:
         super().__init__()
         self.inner = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.mul_(0.5)
         return x + self.inner(torch.relu(self.inner(x)))
 
 
 class MixedBag(nn.Module):
-    """Buffers (BatchNorm), a unit called twice, a parameter no rank uses, one used on rank 0
-    only, and a plain-tensor output path."""
+    """Buffers (BatchNorm), a unit called twice that changes its input in place, a parameter no
+    rank uses, and one used on rank 0 only."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -1,10 +1,9 @@
 """Autograd and module-hook plumbing that tells a unit where it is in the step.
 
-* A unit's *pre-backward* is a gradient hook on its forward's outputs: it fires when backward
-  reaches the unit, before any of the unit's own backward ops run.
-* Its *post-backward* is an identity autograd function applied to the forward's inputs: its
-  backward runs once the gradients for those inputs are complete, i.e. when the unit's own
-  backward ops are done.
+* A unit's *pre-backward* is a hook on its forward outputs' autograd nodes: it fires when
+  backward reaches the unit, before any of the unit's own backward ops run.
+* Its *post-backward* is a gradient hook on the forward's inputs that fires once all of their
+  gradients are complete, i.e. when the unit's own backward ops are done.
 * Module forward pre/post hooks call the unit around the module's forward.
 
 Inputs and outputs may be nested tuples, lists and dicts of tensors; :func:`map_tensors`
@@ -20,7 +19,7 @@ from torch import nn
 
 __all__ = [
     "install_forward_hooks",
-    "attach_post_backward",
+    "watch_input_gradients",
     "register_pre_backward",
     "map_tensors",
     "tensors_in",
@@ -66,37 +65,32 @@ def cast_floats(obj: Any, dtype: torch.dtype) -> Any:
     return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, obj)
 
 
-class _PostBackward(torch.autograd.Function):
-    """Identity on the inputs whose backward reports that their gradients are complete."""
-
-    @staticmethod
-    def forward(ctx, callback: Callable[[], None], *tensors: torch.Tensor):
-        ctx.callback = callback
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        ctx.callback()
-        return (None, *grads)
-
-
-def attach_post_backward(callback: Callable[[], None], args: Any, kwargs: Any) -> tuple[Any, Any, bool]:
-    """Route the tensors in ``args``/``kwargs`` that require grad through one
-    :class:`_PostBackward`; returns the new ``(args, kwargs)`` and whether any tensor did."""
+def watch_input_gradients(callback: Callable[[], None], args: Any, kwargs: Any) -> bool:
+    """Call ``callback()`` once backward has computed the gradients of every tensor in
+    ``args``/``kwargs`` that requires grad (the module's own backward is then done); returns
+    whether there was any such tensor. A gradient hook, not an identity function: the inputs stay
+    the tensors they were, so the module may still modify them in place."""
     needing = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
-    if not needing:
-        return args, kwargs, False
-    replaced = iter(_PostBackward.apply(callback, *needing))
-
-    def substitute(tensor: torch.Tensor) -> torch.Tensor:
-        return next(replaced) if tensor.requires_grad else tensor
-
-    args, kwargs = map_tensors(substitute, (args, kwargs))
-    return args, kwargs, True
+    if needing:
+        torch.autograd.graph.register_multi_grad_hook(needing, lambda _grads: callback(), mode="all")
+    return bool(needing)
 
 
 def register_pre_backward(callback: Callable[[], None], output: Any) -> None:
-    """Call ``callback()`` when backward first reaches any tensor of ``output``."""
+    """Call ``callback()`` when backward reaches any tensor of ``output``.
+
+    The hook sits on the tensors' autograd nodes (node pre-hooks), not on the tensors: a tensor
+    that leaves one unit and enters the next carries the next unit's input-gradient hook too, and
+    the engine runs tensor hooks before node pre-hooks, so the next unit finishes (sends its
+    gradients, frees its parameters) before this one gathers.
+    """
+    hooked: set[int] = set()
     for tensor in tensors_in(output):
-        if tensor.requires_grad:
+        if not tensor.requires_grad:
+            continue
+        node = tensor.grad_fn
+        if node is None:
             tensor.register_hook(lambda _grad: callback())
+        elif id(node) not in hooked:
+            hooked.add(id(node))
+            node.register_prehook(lambda _grads: callback())

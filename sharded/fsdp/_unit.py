@@ -10,7 +10,6 @@ execution order, prefetching, the end of backward) belongs to its :class:`~._roo
 from __future__ import annotations
 
 import enum
-import logging
 import weakref
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -20,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ._collectives import PendingGather, start_all_gather, start_reduce_scatter
-from ._hooks import attach_post_backward, cast_floats, register_pre_backward
+from ._hooks import cast_floats, register_pre_backward, watch_input_gradients
 from ._mesh import MeshInfo
 from ._param import ShardedParam
 from ._storage import UnitStorage
@@ -28,8 +27,6 @@ from ._streams import CommStreams
 from .policies import BackwardPrefetch, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = ["ShardState", "TrainingState", "UnitConfig", "Unit", "unit_of", "units_under"]
-
-logger = logging.getLogger(__name__)
 
 _UNITS: "weakref.WeakKeyDictionary[nn.Module, Unit]" = weakref.WeakKeyDictionary()
 _STREAMS: dict[torch.device, CommStreams] = {}
@@ -95,7 +92,9 @@ class Unit:
             pin_memory=config.offloads and config.offload_policy.pin_memory,
             unsharded_dtype=config.mp_policy.param_dtype,
         )
-        self.streams = _STREAMS.setdefault(self.device, CommStreams(self.device))
+        if self.device not in _STREAMS:
+            _STREAMS[self.device] = CommStreams(self.device)
+        self.streams = _STREAMS[self.device]
         self.shard_state = ShardState.SHARDED
         self.training_state = TrainingState.IDLE
         self.root = None  # the Root of the model this unit runs in, set at the first forward
@@ -190,8 +189,7 @@ class Unit:
         if torch.is_grad_enabled():
             self.awaiting_backward = True
             self._sync_this_backward = self.requires_gradient_sync
-            args, kwargs, attached = attach_post_backward(self._on_input_gradients, args, kwargs)
-            self._open_forward_calls += attached
+            self._open_forward_calls += watch_input_gradients(self._on_input_gradients, args, kwargs)
         return args, kwargs
 
     def post_forward(self, output: Any) -> Any:
@@ -231,11 +229,15 @@ class Unit:
 
     @property
     def needs_post_backward(self) -> bool:
-        """Backward reached the unit but its gradients were not sent, or it ran a grad-enabled
-        forward that backward never reached (every rank then sends zeros alike)."""
+        """At the end of backward: backward reached the unit but its gradients were not sent; or
+        some arrived after they were sent (a module output that does not depend on its inputs can
+        be differentiated after them); or it ran a grad-enabled forward that backward never
+        reached (every rank then sends zeros alike)."""
         if self.training_state is TrainingState.PRE_BACKWARD:
             return True
-        return self.awaiting_backward and self.training_state is TrainingState.IDLE
+        if self.training_state is TrainingState.POST_BACKWARD:
+            return any(sp.unsharded is not None and sp.unsharded.grad is not None for sp in self.params)
+        return self.awaiting_backward
 
     def post_backward(self) -> None:
         """Send the unit's gradients (or keep them locally with sync off), then reshard."""
