@@ -134,9 +134,21 @@ class Twice(nn.Module):
         return x + self.inner(torch.relu(self.inner(x)))
 
 
+class TwoOutputs(nn.Module):
+    """A unit with two outputs, the second independent of the input."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+        self.offset = nn.Parameter(torch.randn(dim))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.lin(x), self.offset * 2.0
+
+
 class MixedBag(nn.Module):
     """Buffers (BatchNorm), a unit called twice that changes its input in place, a parameter no
-    rank uses, and one used on rank 0 only."""
+    rank uses, one used on rank 0 only, and a unit whose backward runs twice."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -146,14 +158,20 @@ class MixedBag(nn.Module):
         self.twice = Twice(16)
         self.unused = nn.Linear(16, 16)
         self.sometimes = nn.Linear(16, 16)
+        self.two = TwoOutputs(16)
         self.head = nn.Linear(16, 64)
+        self.register_buffer("anchor", torch.linspace(-1, 1, 16))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        # first call on an input needing no gradient: its backward comes last, after the second
+        # call's has already sent the unit's gradients, so the unit is gathered and sends again
+        constant, _ = self.two(self.anchor)
         x = self.norm(self.embed(tokens).mean(dim=1))
         x = self.twice(self.twice(x))
         if dist.get_rank() == 0:
             x = x + self.sometimes(x)
-        return self.head(x).unsqueeze(1).expand(-1, tokens.shape[1], -1)
+        x, offset = self.two(x)
+        return self.head(x + offset + constant).unsqueeze(1).expand(-1, tokens.shape[1], -1)
 
 
 class CountCollectives:

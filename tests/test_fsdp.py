@@ -93,7 +93,7 @@ def _check_tied_and_eval(rank, world):
 def _check_buffers_unused_and_double_calls(rank, world):
     ref = DDP(MixedBag(), find_unused_parameters=True, broadcast_buffers=False)  # buffers stay local
     ours = MixedBag()
-    for module in (ours.twice.inner, ours.twice, ours):
+    for module in (ours.twice.inner, ours.twice, ours.two, ours):
         fully_shard(module)
     ref_opt, our_opt = _optimizers(ADAMW, ref, ours)
     train_both([(ref, ref_opt), (ours, our_opt)], rank)
