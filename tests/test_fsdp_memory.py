@@ -15,17 +15,19 @@ from tests._models import gpt_loss, token_batch
 
 
 def _watch_gathered(units):
-    """Record, after every unit's all-gather completes, how many units hold gathered memory."""
-    counts = []
+    """Record, after every unit's all-gather completes, how many units hold gathered memory and
+    how many bytes of gathered parameters exist."""
+    seen = []
     for unit in units:
         finish = unit.wait_for_unshard
 
         def recorded(finish=finish):
             finish()
-            counts.append(sum(u.shard_state is not ShardState.SHARDED for u in units))
+            held = sum(u.shard_state is not ShardState.SHARDED for u in units)
+            seen.append((held, sum(u.storage.unsharded_bytes() for u in units)))
 
         unit.wait_for_unshard = recorded
-    return counts
+    return seen
 
 
 def _check_memory(rank, world):
@@ -40,10 +42,14 @@ def _check_memory(rank, world):
         loss = gpt_loss(model, token_batch(rank, step, vocab=128))
         gathered = [u for u in units if u.shard_state is not ShardState.SHARDED]
         assert gathered == [root], f"between forward and backward {len(gathered)} units are gathered"
+        assert sum(u.storage.unsharded_bytes() for u in units) == root.storage.unsharded_bytes() > 0
         during.clear()
         loss.backward()
         # the unit computing, the one prefetched for it, and the root (needed last)
-        assert max(during) <= 3, f"{max(during)} units were gathered at once during backward"
+        assert max(held for held, _ in during) <= 3, f"{max(during)} units were gathered at once during backward"
+        block_bytes = max(u.storage.world * u.storage.shard_numel * 4 for u in units[1:])
+        largest = max(gathered_bytes for _, gathered_bytes in during)
+        assert largest <= root.storage.unsharded_bytes() + 2 * block_bytes, f"{largest} bytes gathered at once"
         optimizer.step()
     assert all(u.shard_state is ShardState.SHARDED for u in units), "a unit stayed gathered at rest"
     params = list(model.parameters())

@@ -49,10 +49,9 @@ def start_all_gather(
     ``dtype`` halves the bytes sent) into one rank-major buffer."""
     with record_function("sharded::all_gather"):
         sent = shard.to(device=device, dtype=dtype, non_blocking=True)
-        output = torch.empty(world * sent.numel(), dtype=dtype, device=device)
         if world == 1:
-            output.copy_(sent)
-            return PendingGather(None, output, sent)
+            return PendingGather(None, sent, sent)
+        output = torch.empty(world * sent.numel(), dtype=dtype, device=device)
         work = _comm.all_gather_into_tensor(output, sent, group, async_op=True)
         return PendingGather(work, output, sent)
 

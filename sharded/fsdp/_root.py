@@ -76,8 +76,6 @@ class Root:
     # ------------------------------------------------------------------------ forward
 
     def begin_forward(self) -> None:
-        for streams in {u.streams for u in self.units}:
-            streams.all_gather_after_compute()  # the optimizer step wrote the shards
         self._this_forward = {}
 
     def record_forward(self, unit: Unit) -> None:

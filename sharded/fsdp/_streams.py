@@ -4,8 +4,8 @@ On CUDA, all-gathers (with their copy-in and copy-out) run on one side stream an
 reduce-scatters (with their packing) on another, so both overlap the compute stream; events and
 stream waits order them:
 
-* all-gathers read the shards, which the optimizer writes on the compute stream: the root's
-  forward makes the all-gather stream wait for everything queued before it;
+* all-gathers read the shards, which the optimizer writes on the compute stream: each starts
+  after the computation queued before it (so a prefetch overlaps the computation queued after);
 * the compute stream waits for a unit's copy-out before using its parameters;
 * freeing a unit's gathered storage (allocated on the all-gather stream) first makes that stream
   wait for the computation that used it, so the allocator never hands the memory to a new

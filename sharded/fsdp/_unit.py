@@ -131,6 +131,7 @@ class Unit:
         self.storage.ensure_shards_current(where=repr(self))
         self.storage.prepare_unsharded()
         if not self.storage.aliases_shards and self.storage.shard_numel:
+            self.streams.all_gather_after_compute()  # e.g. the optimizer step wrote the shards
             with self.streams.on_all_gather():
                 self._gather = start_all_gather(
                     self.storage.sharded_flat,

@@ -95,6 +95,10 @@ class FullyShardedDataParallel(nn.Module):
         forward_prefetch, limit_all_gathers, use_orig_params: accepted for compatibility; the
             next unit is always prefetched in forward, at most one unit ahead, and parameters
             are always the original ones.
+        reshard_after_forward, move_params_to_cpu, compute_dtype, fp32_reduce_scatter, and
+            ``mixed_precision=True``: fairscale's spellings of ``SHARD_GRAD_OP`` (when
+            ``False``), ``CPUOffload`` and ``MixedPrecision(compute_dtype or fp16, fp32 or the
+            compute dtype)``.
     """
 
     def __init__(
@@ -105,7 +109,7 @@ class FullyShardedDataParallel(nn.Module):
         cpu_offload: Optional[CPUOffload] = None,
         auto_wrap_policy: Any = None,
         backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE,
-        mixed_precision: Optional[MixedPrecision] = None,
+        mixed_precision: Union[None, MixedPrecision, bool] = None,
         ignored_modules: Optional[Iterable[nn.Module]] = None,
         param_init_fn: Optional[Callable[[nn.Module], None]] = None,
         device_id: Union[None, int, torch.device] = None,
@@ -116,12 +120,26 @@ class FullyShardedDataParallel(nn.Module):
         device_mesh: Optional[DeviceMesh] = None,
         *,
         fsdp_auto_wrap_policy: Any = None,
+        reshard_after_forward: Optional[bool] = None,
+        move_params_to_cpu: bool = False,
+        compute_dtype: Optional[torch.dtype] = None,
+        fp32_reduce_scatter: bool = False,
     ) -> None:
         super().__init__()
         if auto_wrap_policy is not None and fsdp_auto_wrap_policy is not None:
             raise ValueError(on_rank("pass auto_wrap_policy or its alias fsdp_auto_wrap_policy, not both"))
         if not use_orig_params:
             logger.info("use_orig_params=False is treated as True: parameters are always the original ones")
+        if reshard_after_forward is not None:
+            if sharding_strategy is not None:
+                raise ValueError(on_rank("pass sharding_strategy or fairscale's reshard_after_forward, not both"))
+            sharding_strategy = ShardingStrategy.FULL_SHARD if reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
+        if move_params_to_cpu:
+            cpu_offload = CPUOffload(offload_params=True)
+        if isinstance(mixed_precision, bool):  # fairscale: fp16 compute (or compute_dtype), fp32 masters
+            compute = compute_dtype or torch.float16
+            reduce = torch.float32 if fp32_reduce_scatter else compute
+            mixed_precision = MixedPrecision(compute, reduce) if mixed_precision else None
         strategy = sharding_strategy or ShardingStrategy.FULL_SHARD
         mesh = _mesh_for(strategy, process_group, device_mesh)
         device = _device_for(device_id, MeshInfo(mesh).device)
