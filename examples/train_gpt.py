@@ -53,7 +53,7 @@ def sample(data: torch.Tensor, generator: torch.Generator, batch: int, seq: int,
     return torch.stack([data[s : s + seq + 1] for s in starts]).to(device)
 
 
-def build(stage: str, model: nn.Module, args):
+def build(stage: str, model: GPT, args):
     """(wrapped model, optimizer) for a stage."""
     hyper = dict(lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
     if stage == "ddp":
@@ -139,7 +139,7 @@ def save(path: Path, step: int, model: nn.Module, optimizer, scaler) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
         model_state, optim_state = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    else:
+    elif dist.get_rank() == 0:  # the only rank holding the consolidated optimizer state
         model_state, optim_state = model.state_dict(), optimizer.state_dict()
     if dist.get_rank() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)

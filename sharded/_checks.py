@@ -75,11 +75,6 @@ def check_param_list(params: Sequence[object], where: str, rank: int) -> None:
                 f"rank {rank}: {name} is a {type(p).__name__}, not a torch.Tensor; pass "
                 "tensors (e.g. model.parameters()) or dicts of them"
             )
-        if not (p.is_floating_point() or p.is_complex()):
-            raise TypeError(
-                f"rank {rank}: {name} has dtype {p.dtype}; only floating-point and complex "
-                "parameters can be optimized"
-            )
         if p.device.type == "meta":
             raise ValueError(
                 f"rank {rank}: {name} is on the meta device; materialize the model (e.g. "
@@ -144,7 +139,7 @@ def _gather_description(t: torch.Tensor, group: _comm.ProcessGroup) -> list[str]
     code = [t.dim(), zlib.crc32(str(t.dtype).encode()), int(t.requires_grad)]
     encoded = torch.tensor(code + dims + [0] * (_MAX_DIMS - len(dims)), dtype=torch.int64)
     gathered = _comm.all_gather(encoded.to(_comm.comm_device(group)), group)
-    dtype_names = {zlib.crc32(str(d).encode()): str(d) for d in _FLOAT_DTYPES}
+    dtype_names = {zlib.crc32(str(d).encode()): str(d) for d in _KNOWN_DTYPES}
     return [
         f"shape {tuple(g[3 : 3 + int(g[0])].tolist())}, "
         f"{dtype_names.get(int(g[1]), 'another dtype')}, requires_grad={bool(g[2])}"
@@ -152,11 +147,17 @@ def _gather_description(t: torch.Tensor, group: _comm.ProcessGroup) -> list[str]
     ]
 
 
-_FLOAT_DTYPES = (
+_KNOWN_DTYPES = (
     torch.float64,
     torch.float32,
     torch.float16,
     torch.bfloat16,
     torch.complex64,
     torch.complex128,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
 )

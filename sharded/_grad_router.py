@@ -1,13 +1,27 @@
 """Layer 2 mechanism: route each gradient, as it becomes ready in backward, to the rank that owns
 its parameter.
 
-Gradients are packed into per-owner flat buckets (a fixed plan, made once per partition). As soon
-as a bucket is full it is reduced asynchronously to its owner while backward continues; buckets
-are launched strictly in plan order so that every rank issues the same collectives in the same
-sequence. At the end of backward one callback launches what is left (zeros stand in for gradients
-this rank never produced), waits for everything, and hands out the results: the owner's
-``param.grad`` becomes a view of the reduced bucket, every other rank's becomes ``None``. That is
-ZeRO-2: gradient memory per rank is its shard plus the buckets in flight.
+Gradients are packed into per-owner flat buckets. As soon as a bucket is complete it is reduced
+asynchronously to its owner while backward continues; buckets are launched strictly in plan
+order so that every rank issues the same collectives in the same sequence. At the end of the
+outermost backward one callback launches what is left, waits for everything, and hands out the
+results: the owner's ``param.grad`` becomes a view of the reduced bucket, every other rank's
+becomes ``None``. That is ZeRO-2: gradient memory per rank is its shard plus the buckets in flight.
+
+When is a gradient complete? A parameter's gradient-ready hook fires once per backward pass
+that reaches it, and a backward may contain nested ones (reentrant activation checkpointing runs
+one per checkpointed segment), so a parameter shared by several segments fires several times.
+The router learns, on each rank, how many times each parameter fired in the previous backward
+and treats its gradient as complete after that many; a parameter that fired zero times (unused)
+no longer holds its bucket back. The plan itself is rebuilt once, after the first backward,
+from the order in which gradients really completed (rank 0's order, so every rank agrees), as
+DDP rebuilds its buckets.
+
+A gradient that arrives after its bucket has left (the graph changed: a branch taken for the
+first time, one more reuse) is never dropped nor overwritten: it is kept aside and, after one
+small all-reduce in which the ranks agree which buckets need it, reduced in a second pass and
+added to the owner's result. Reduction is linear, so the result is the same; only that step
+pays the extra message.
 
 Each bucket carries one extra element per parameter, 1 where the gradient was produced. After the
 reduce the owner knows which parameters no rank used, and leaves their gradients alone as DDP does.
@@ -17,17 +31,19 @@ from __future__ import annotations
 
 import enum
 import functools
+import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, cast
 
 import torch
 import torch.distributed as dist
 
 from . import _comm
-from ._flat import plan_buckets, wire_dtype_for
+from ._reduce_pass import Fill, Pass
+from ._reduce_plan import plan_reduce_buckets
 
-__all__ = ["GradRouter", "Phase", "ReduceBucket", "plan_reduce_buckets"]
+__all__ = ["BackwardStats", "GradRouter", "Phase"]
 
 
 class Phase(enum.Enum):
@@ -39,73 +55,29 @@ class Phase(enum.Enum):
 
 
 @dataclass(frozen=True)
-class ReduceBucket:
-    """Parameters whose gradients are reduced together to ``owner`` in one flat message."""
+class BackwardStats:
+    """How the reduction of the last synced backward went on this rank.
 
-    owner: int
-    params: tuple[torch.Tensor, ...]
-    offsets: tuple[int, ...]
-    numel: int
-    wire_dtype: torch.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.params[0].device
-
-
-def plan_reduce_buckets(
-    params: Sequence[torch.Tensor],
-    owner_of: dict[torch.Tensor, int],
-    max_numel: int,
-    reduce_fp16: bool,
-) -> tuple[ReduceBucket, ...]:
-    """Buckets for ``params`` (given in expected gradient-ready order), in launch order.
-
-    The ready order is cut into windows of at most ``max_numel`` elements, as DDP cuts its
-    buckets; each owner's share of a window (per device and dtype) is one bucket. A bucket is
-    thus complete as soon as backward has passed its window, and reduces start early in
-    backward, even though the greedy partition scatters each owner's parameters over the whole
-    model. A parameter larger than a window has one to itself; ``max_numel <= 0`` puts every
-    parameter alone.
+    Attributes:
+        buckets: reduces in the plan (each backward issues all of them).
+        launched_during_backward: how many of those started while gradients were still
+            arriving, i.e. overlapped with backward; the rest left with the last gradient or
+            at the end-of-backward flush.
+        late_reduces: extra reduces for gradients that arrived after their bucket had left.
+        peak_bucket_bytes: most bytes of gradient buckets this rank kept at once: its own
+            shard plus buckets filled and waiting for their turn to be sent. (A bucket for
+            another owner counts until it is launched; the transport frees it when the send
+            completes, which depends on the link, not on the plan.)
+        overlap: share of the backward's wall time (from its start to the flush) during which
+            a reduce was already under way; near 0 when gradients only arrive at the very end
+            (e.g. a compiled backward hands all of them over at once).
     """
-    position = {p: i for i, p in enumerate(params)}
-    members: dict[tuple, list[torch.Tensor]] = {}
-    for window, run in enumerate(plan_buckets(params, max_numel)):
-        for p in run:
-            members.setdefault((window, owner_of[p], p.device, p.dtype), []).append(p)
-    buckets = [_bucket(key[1], run, reduce_fp16) for key, run in members.items()]
-    buckets.sort(key=lambda b: position[b.params[-1]])
-    return tuple(buckets)
 
-
-def _bucket(owner: int, params: Sequence[torch.Tensor], reduce_fp16: bool) -> ReduceBucket:
-    offsets, total = [], 0
-    for p in params:
-        offsets.append(total)
-        total += p.numel()
-    wire = wire_dtype_for(params[0].dtype, torch.float16 if reduce_fp16 else None)
-    return ReduceBucket(owner, tuple(params), tuple(offsets), total, wire)
-
-
-class _Fill:
-    """One bucket's buffer during one backward: gradients, then one 'used' flag per parameter."""
-
-    def __init__(self, bucket: ReduceBucket) -> None:
-        self.buffer = torch.empty(bucket.numel + len(bucket.params), dtype=bucket.wire_dtype, device=bucket.device)
-        self.arrived = [False] * len(bucket.params)
-        self.count = 0
-
-    def grad_view(self, bucket: ReduceBucket, slot: int) -> torch.Tensor:
-        p, offset = bucket.params[slot], bucket.offsets[slot]
-        return self.buffer[offset : offset + p.numel()].view(p.shape)
-
-    def seal(self, bucket: ReduceBucket) -> None:
-        """Zero the slots of gradients that never came and write the used flags."""
-        for slot, came in enumerate(self.arrived):
-            if not came:
-                self.grad_view(bucket, slot).zero_()
-        flags = torch.tensor(self.arrived, dtype=bucket.wire_dtype)
-        self.buffer[bucket.numel :].copy_(flags, non_blocking=True)
+    buckets: int
+    launched_during_backward: int
+    late_reduces: int
+    peak_bucket_bytes: int
+    overlap: float
 
 
 class GradRouter:
@@ -117,6 +89,7 @@ class GradRouter:
         group: the process group shared with the sharded optimizers.
         bucket_numel: most elements per bucket; larger gradients travel alone.
         reduce_fp16: reduce fp32/fp64 gradients in fp16 (bf16 and fp16 stay as they are).
+        names: parameter -> its name in the module, for error messages.
     """
 
     def __init__(
@@ -126,21 +99,30 @@ class GradRouter:
         group: _comm.ProcessGroup,
         bucket_numel: int,
         reduce_fp16: bool,
+        names: Optional[dict[torch.Tensor, str]] = None,
     ) -> None:
         self.group = group
         self.rank = _comm.group_rank(group)
         self.world_size = _comm.group_size(group)
-        self.buckets = plan_reduce_buckets(params, owner_of, bucket_numel, reduce_fp16)
+        self.params = tuple(params)
+        self._owner_of = owner_of
+        self._bucket_numel = bucket_numel
+        self._reduce_fp16 = reduce_fp16
+        self._names = names or {}
+        self._scale = 1.0 / self.world_size  # pre-divide, as DDP does
+        self._expected = [1] * len(self.params)
+        self._order_observed = False
+        self._plan(self.params)
         self.phase = Phase.IDLE
         self.sync_enabled = True  # False: the last forward ran inside no_sync()
-        self._fills: list[Optional[_Fill]] = []
-        self._next_launch = 0
-        self._in_flight: deque[tuple[int, _Fill, dist.Work]] = deque()
+        self.last_backward: Optional[BackwardStats] = None
+        self._pass = Pass(len(self.params), [0] * len(self.buckets))
+        self._end_queued = False
+        self._backward_started_at = 0.0
         # On one rank every gradient is already complete where autograd put it.
         self._hooks = [
-            p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, index, slot))
-            for index, bucket in enumerate(self.buckets)
-            for slot, p in enumerate(bucket.params)
+            p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, index))
+            for index, p in enumerate(self.params)
             if self.world_size > 1
         ]
 
@@ -150,6 +132,16 @@ class GradRouter:
             handle.remove()
         self._hooks = []
 
+    def _plan(self, ready_order: Sequence[torch.Tensor]) -> None:
+        self.buckets = plan_reduce_buckets(ready_order, self._owner_of, self._bucket_numel, self._reduce_fp16)
+        index_of = {p: i for i, p in enumerate(self.params)}
+        self._location = [(0, 0)] * len(self.params)
+        self._members = []
+        for b, bucket in enumerate(self.buckets):
+            self._members.append([index_of[p] for p in bucket.params])
+            for slot, p in enumerate(bucket.params):
+                self._location[index_of[p]] = (b, slot)
+
     # ----------------------------------------------------------------------- phase changes
 
     def mark_grads_consumed(self) -> None:
@@ -157,45 +149,104 @@ class GradRouter:
         if self.phase is Phase.REDUCED:
             self.phase = Phase.IDLE
 
+    def before_forward(self) -> None:
+        """Check the gradients held from earlier passes, and start clean after a failed backward.
+
+        Called outside any backward only: a backward still marked as running then has died (it
+        raised), so its bookkeeping is dropped rather than mixed into the next one.
+        """
+        if torch._C._current_graph_task_id() != -1:
+            return  # recomputation inside a backward (reentrant checkpointing)
+        for p in self.params:
+            if p.grad is not None:
+                self._check_reducible(p, p.grad)
+        self._end_queued = False
+        if self.phase is Phase.BACKWARD:
+            self.phase = Phase.IDLE
+
+    def on_output_grad(self) -> None:
+        """A gradient reached one of the wrapped module's outputs: backward has begun there.
+
+        The end-of-backward flush is queued on *this* backward, the outermost one that runs
+        through the module, so that nested backward passes (reentrant checkpointing) that
+        produce the parameters' gradients never end the reduction early.
+        """
+        if self.sync_enabled and self.phase is not Phase.BACKWARD:
+            self._queue_end_of_backward()
+
     def reduce_current_grads(self) -> None:
         """Reduce whatever gradients the parameters hold now (e.g. after ``no_sync`` steps)."""
         if self.world_size == 1:
             return
-        self._begin_backward(current=None, queue_flush=False)
-        for index, bucket in enumerate(self.buckets):
-            for slot, p in enumerate(bucket.params):
-                if p.grad is not None:
-                    self._add(index, slot, p)
-        self._flush()
+        self._begin_backward(current=None)
+        self._flush(learn=False)
 
     # ------------------------------------------------------------------------- hot path
 
-    def _on_grad_ready(self, index: int, slot: int, param: torch.Tensor) -> None:
+    def _on_grad_ready(self, index: int, param: torch.Tensor) -> None:
         if not self.sync_enabled:
             return
+        grad = cast(torch.Tensor, param.grad)  # a post-accumulate-grad hook: it is set
+        self._check_reducible(param, grad)
         if self.phase is not Phase.BACKWARD:
-            self._begin_backward(current=param, queue_flush=True)
-        self._add(index, slot, param)
-
-    def _add(self, index: int, slot: int, param: torch.Tensor) -> None:
-        """Copy ``param``'s gradient (pre-divided by the world size, as DDP does) into its bucket."""
-        bucket = self.buckets[index]
-        fill = self._fills[index]
-        if fill is None:
-            fill = self._fills[index] = _Fill(bucket)
-        torch.mul(param.grad, 1.0 / self.world_size, out=fill.grad_view(bucket, slot))
+            self._begin_backward(current=param)
+            self._queue_end_of_backward()
+        bw = self._pass
+        bw.arrivals[index] += 1
+        bw.clock += 1
+        bw.completed_at[index] = bw.clock
+        arrivals, expected = bw.arrivals[index], self._expected[index]
+        if arrivals < expected:  # more to come: autograd keeps summing into param.grad
+            bw.partial.add(index)
+            return
+        b, slot = self._location[index]
+        if b < bw.next_launch:
+            self._keep_late(index, param, grad)
+            return
+        self._fill(b).add(slot, grad, self._scale)
         param.grad = None
-        fill.arrived[slot] = True
-        fill.count += 1
-        while self._next_launch < len(self.buckets):
-            next_fill = self._fills[self._next_launch]
-            if next_fill is None or next_fill.count < len(self.buckets[self._next_launch].params):
-                break
-            self._launch(self._next_launch)
+        if arrivals == expected:
+            bw.partial.discard(index)
+            bw.waiting[b] -= 1
+            self._launch_ready_buckets()
+
+    def _launch_ready_buckets(self) -> None:
+        bw = self._pass
+        while bw.next_launch < len(self.buckets) and bw.waiting[bw.next_launch] == 0:
+            bw.launch_clocks.append(bw.clock)
+            if bw.first_launch_at is None:
+                bw.first_launch_at = time.perf_counter()
+            self._launch(bw.next_launch)
+
+    def _keep_late(self, index: int, param: torch.Tensor, grad: torch.Tensor) -> None:
+        late = self._pass.late
+        if index in late:
+            late[index].add_(grad, alpha=self._scale)
+        else:
+            late[index] = grad.mul(self._scale).to(self.buckets[self._location[index][0]].wire_dtype)
+        param.grad = None
+
+    def _check_reducible(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        if grad.is_sparse:
+            raise RuntimeError(
+                f"rank {self.rank}: parameter {self._name(param)} got a sparse gradient; "
+                "ShardedDataParallel reduces dense gradients only. Use sparse=False on the "
+                "embedding, or DistributedDataParallel for sparse gradients"
+            )
+        if grad.requires_grad:
+            raise RuntimeError(
+                f"rank {self.rank}: the gradient of parameter {self._name(param)} requires grad "
+                "(backward with create_graph=True): ShardedDataParallel cannot reduce a "
+                "gradient that carries a graph. Use torch.autograd.grad for higher-order "
+                "terms, or DistributedDataParallel"
+            )
+
+    def _name(self, param: torch.Tensor) -> str:
+        return self._names.get(param, f"of shape {tuple(param.shape)}")
 
     # ---------------------------------------------------------------------- bucket life
 
-    def _begin_backward(self, current: Optional[torch.Tensor], queue_flush: bool) -> None:
+    def _begin_backward(self, current: Optional[torch.Tensor]) -> None:
         if self.phase is Phase.REDUCED and not self._grads_cleared_on_every_rank(current):
             raise RuntimeError(
                 f"rank {self.rank}: backward ran again after the gradients were reduced and "
@@ -204,27 +255,50 @@ class GradRouter:
                 "zero the gradients between backward passes."
             )
         self.phase = Phase.BACKWARD
-        self._fills = [None] * len(self.buckets)
-        self._next_launch = 0
-        if queue_flush:
-            torch.autograd.Variable._execution_engine.queue_callback(self._flush)
+        waiting = [sum(1 for i in members if self._expected[i] > 0) for members in self._members]
+        self._pass = Pass(len(self.params), waiting)
 
-    def _launch(self, index: int) -> None:
-        bucket = self.buckets[index]
-        fill = self._fills[index] or _Fill(bucket)
-        fill.seal(bucket)
-        self._fills[index] = None
-        self._next_launch = index + 1
+    def _queue_end_of_backward(self) -> None:
+        if not self._end_queued:
+            self._end_queued = True
+            self._backward_started_at = time.perf_counter()
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+
+    def _on_backward_end(self) -> None:
+        self._end_queued = False
+        if self.phase is Phase.BACKWARD:
+            self._flush(learn=True)
+
+    def _fill(self, b: int) -> Fill:
+        bw = self._pass
+        fill = bw.fills[b]
+        if fill is None:
+            fill = bw.fills[b] = Fill(self.buckets[b])
+            bw.hold(fill.nbytes)
+        return fill
+
+    def _launch(self, b: int) -> None:
+        bw = self._pass
+        fill = self._fill(b)
+        fill.seal(self._scale)
+        bw.fills[b] = None
+        bw.next_launch = b + 1
+        self._send(fill, is_correction=False)
+        self._release_sent_buckets()
+
+    def _send(self, fill: Fill, is_correction: bool) -> None:
         with torch.profiler.record_function("sharded::reduce_bucket"):
             work = dist.reduce(
                 fill.buffer,
-                dst=_comm.global_rank(self.group, bucket.owner),
+                dst=_comm.global_rank(self.group, fill.bucket.owner),
                 op=dist.ReduceOp.SUM,
                 group=self.group,
                 async_op=True,
             )
-        self._in_flight.append((index, fill, work))
-        self._release_sent_buckets()
+        bw = self._pass
+        bw.in_flight.append((fill, work, is_correction))
+        if fill.bucket.owner != self.rank:
+            bw.held_bytes -= fill.nbytes
 
     def _release_sent_buckets(self) -> None:
         """Free the buffers of buckets this rank has finished sending to another owner.
@@ -232,39 +306,89 @@ class GradRouter:
         Owned buckets wait for the flush: reading their 'used' flags would make an accelerator
         synchronise in the middle of backward.
         """
-        still_in_flight = deque()
-        for entry in self._in_flight:
-            index, _, work = entry
-            if self.buckets[index].owner != self.rank and work.is_completed():
+        bw = self._pass
+        still_in_flight: deque[tuple[Fill, dist.Work, bool]] = deque()
+        for entry in bw.in_flight:
+            fill, work, _ = entry
+            if fill.bucket.owner != self.rank and work.is_completed():
                 self._finish(*entry)
             else:
                 still_in_flight.append(entry)
-        self._in_flight = still_in_flight
+        bw.in_flight = still_in_flight
 
-    def _flush(self) -> None:
-        """End of backward: launch what is left, wait for every reduce, hand out the results."""
+    def _flush(self, learn: bool) -> None:
+        """End of backward: launch what is left, reduce late gradients, hand out the results."""
+        bw = self._pass
+        bw.flushed_at = time.perf_counter()
         with torch.profiler.record_function("sharded::flush_pending_reduces"):
-            for index in range(self._next_launch, len(self.buckets)):
-                self._launch(index)
-            while self._in_flight:
-                self._finish(*self._in_flight.popleft())
+            for index in bw.partial:  # fewer arrivals than last time: what came is complete
+                b, slot = self._location[index]
+                param = self.params[index]
+                self._fill(b).add(slot, cast(torch.Tensor, param.grad), self._scale)
+                param.grad = None
+            for b in range(bw.next_launch, len(self.buckets)):
+                self._launch(b)
+            self._reduce_late_gradients()
+            while bw.in_flight:
+                self._finish(*bw.in_flight.popleft())
         self.phase = Phase.REDUCED
+        if learn:
+            self._learn_from(bw)
 
-    def _finish(self, index: int, fill: _Fill, work: dist.Work) -> None:
+    def _reduce_late_gradients(self) -> None:
+        """Agree which buckets received gradients after they left, then reduce those again."""
+        bw = self._pass
+        needs = torch.zeros(len(self.buckets), dtype=torch.int32)
+        for index in bw.late:
+            needs[self._location[index][0]] = 1
+        needs = needs.to(_comm.comm_device(self.group))
+        _comm.all_reduce(needs, self.group, dist.ReduceOp.MAX)
+        for b in needs.nonzero().flatten().tolist():
+            fill = Fill(self.buckets[b])
+            bw.hold(fill.nbytes)
+            for slot, index in enumerate(self._members[b]):
+                if index in bw.late:
+                    fill.add(slot, bw.late.pop(index), 1.0)
+            fill.seal(self._scale, take_held_grads=False)
+            bw.late_reduces += 1
+            self._send(fill, is_correction=True)
+
+    def _finish(self, fill: Fill, work: dist.Work, is_correction: bool) -> None:
         """Wait for a bucket's reduce; the owner takes the results, everyone else lets go."""
-        work.wait()
-        bucket = self.buckets[index]
-        if bucket.owner != self.rank:
-            for p in bucket.params:
-                p.grad = None
-            return
-        used = fill.buffer[bucket.numel :].tolist()
-        for slot, p in enumerate(bucket.params):
-            if used[slot] > 0:
-                reduced = fill.grad_view(bucket, slot)
-                p.grad = reduced if reduced.dtype == p.dtype else reduced.to(p.dtype)
-            elif p.grad is not None:
-                p.grad.zero_()
+        with torch.profiler.record_function("sharded::wait_reduce"):
+            work.wait()
+        if fill.bucket.owner == self.rank:
+            fill.hand_out(add_to_existing=is_correction)
+
+    def _learn_from(self, bw: Pass) -> None:
+        """Expect as many arrivals per parameter as this backward had; re-plan once by its order."""
+        self._expected = list(bw.arrivals)
+        self.last_backward = BackwardStats(
+            buckets=len(self.buckets),
+            launched_during_backward=sum(1 for clock in bw.launch_clocks if clock < bw.clock),
+            late_reduces=bw.late_reduces,
+            peak_bucket_bytes=bw.peak_bytes,
+            overlap=self._overlap_share(bw),
+        )
+        if not self._order_observed:
+            self._order_observed = True
+            self._plan(self._agreed_ready_order(bw))
+
+    def _overlap_share(self, bw: Pass) -> float:
+        started = min(self._backward_started_at, bw.started_at)
+        if bw.first_launch_at is None or bw.flushed_at <= started:
+            return 0.0
+        return (bw.flushed_at - bw.first_launch_at) / (bw.flushed_at - started)
+
+    def _agreed_ready_order(self, bw: Pass) -> list[torch.Tensor]:
+        """Rank 0's observed completion order (then the parameters it never saw), sent to all."""
+        position = {p: i for i, p in enumerate(p for bucket in self.buckets for p in bucket.params)}
+        never = len(self.params) + 1
+        seen_at = [bw.completed_at[i] or never for i in range(len(self.params))]
+        order = sorted(range(len(self.params)), key=lambda i: (seen_at[i], position[self.params[i]]))
+        agreed = torch.tensor(order, dtype=torch.int64, device=_comm.comm_device(self.group))
+        _comm.broadcast(agreed, 0, self.group, async_op=False)
+        return [self.params[i] for i in agreed.tolist()]
 
     def _grads_cleared_on_every_rank(self, except_param: Optional[torch.Tensor]) -> bool:
         """Whether zero_grad() ran since the last reduce: every owner's gradients are gone or zero.

@@ -108,17 +108,19 @@ class Partition:
         ]
 
     def owned_by_group(self, rank: int) -> list[list[torch.Tensor]]:
-        """The trainable parameters ``rank`` steps, split by param group (a group may be empty)."""
+        """The parameters ``rank`` owns, split by param group (a group may be empty).
+
+        Its optimizer holds all of them and, as any torch optimizer, steps those that have a
+        gradient: a frozen parameter still holding one is stepped too.
+        """
         return [
-            [
-                p
-                for p, owner, is_trainable in zip(
-                    self.params[s], self.owners[s], self.trainable[s]
-                )
-                if owner == rank and is_trainable
-            ]
+            [p for p, owner in zip(self.params[s], self.owners[s]) if owner == rank]
             for s in self.group_slices
         ]
+
+    def frozen_indices(self) -> list[int]:
+        """Global indices of the parameters that were frozen when the partition was made."""
+        return [i for i, is_trainable in enumerate(self.trainable) if not is_trainable]
 
     def trainable_bytes_per_rank(self) -> list[int]:
         """Bytes of trainable parameters each rank owns: what its optimizer state scales with."""

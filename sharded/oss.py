@@ -18,8 +18,9 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from . import _comm
-from ._broadcast import broadcast_buckets, make_resident, plan_broadcasts, release_residents
+from ._broadcast import make_resident, plan_broadcasts, release_residents, start_broadcasts
 from ._checks import as_param_groups, check_optimizer_class, check_param_list, check_same_across_ranks, param_list
+from ._norm import clip_by_global_norm
 from ._partition import Partition
 from ._state_dict import full_state_dict, restore_state, snapshot_shard, states_by_param
 
@@ -36,10 +37,16 @@ class OSS(Optimizer):
     The parameters are split into per-rank partitions, balanced by size (largest first onto the
     least-loaded rank; frozen parameters are balanced apart so they never skew it). Each rank
     builds the wrapped optimizer over its own partition only, so optimizer state memory per rank
-    is about ``1 / world_size`` of the total. After every ``step()`` the owners broadcast the
-    updated parameters in flat buckets. The trainable parameters live in those buckets (their
-    ``.data`` is a view of one), so nothing is copied to send or receive them; a tensor taken
-    from ``param.data`` before ``OSS`` was built is a stale copy.
+    is about ``1 / world_size`` of the total. As with any torch optimizer, a parameter is stepped
+    iff it has a gradient, whatever its ``requires_grad`` (a frozen parameter whose gradient was
+    zeroed with ``set_to_none=False`` still moves under momentum or weight decay); parameters
+    that cannot have one, such as integer tables, are carried along and never stepped.
+
+    After every ``step()`` the owners broadcast the updated parameters in flat buckets. The
+    trainable parameters live in those buckets (their ``.data`` is a view of one), so nothing is
+    copied to send or receive them; a tensor taken from ``param.data`` before ``OSS`` was built
+    is a stale copy. Frozen parameters that were stepped travel in extra buckets, agreed on with
+    one small all-reduce per step that only models with frozen parameters pay.
 
     ``OSS`` is itself a ``torch.optim.Optimizer``: ``param_groups`` lists every parameter and is
     kept in sync with the wrapped optimizer in both directions, so lr schedulers, gradient
@@ -59,7 +66,7 @@ class OSS(Optimizer):
         **defaults: hyperparameters for ``optim`` (``lr``, ``momentum``, ...).
     """
 
-    _partition: Optional[Partition] = None  # None only while Optimizer.__init__ adds the groups
+    _partition: Partition  # set once Optimizer.__init__ has added the initial groups
     _broadcasts: tuple = ()
 
     def __init__(
@@ -85,7 +92,6 @@ class OSS(Optimizer):
         self.broadcast_fp16 = broadcast_fp16
         self.force_broadcast_object = force_broadcast_object
         self._consolidated: Optional[dict[str, Any]] = None
-        self._parked_state: dict[torch.Tensor, dict[str, Any]] = {}
         self._warned_trainability_change = False
 
         super().__init__(as_param_groups(params, self.rank), defaults)
@@ -125,14 +131,12 @@ class OSS(Optimizer):
 
     @property
     def per_device_params(self) -> dict[torch.device, list[list[torch.Tensor]]]:
-        """Device -> for each rank, the trainable parameters it owns on that device."""
+        """Device -> for each rank, the parameters it owns on that device."""
         by_device: dict[torch.device, list[list[torch.Tensor]]] = defaultdict(
             lambda: [[] for _ in range(self.world_size)]
         )
-        for rank in range(self.world_size):
-            for i in self._partition.owned_indices(rank, trainable_only=True):
-                p = self._partition.params[i]
-                by_device[p.device][rank].append(p)
+        for p, owner in zip(self._partition.params, self._partition.owners):
+            by_device[p.device][owner].append(p)
         return dict(by_device)
 
     # ------------------------------------------------------------------------ stepping
@@ -153,8 +157,32 @@ class OSS(Optimizer):
             self._plan_broadcasts()  # e.g. module.to(dtype) gave the parameters new storage
         with torch.profiler.record_function("sharded::broadcast_params"):
             wire_dtype = torch.float16 if self.broadcast_fp16 else None
-            broadcast_buckets(self._broadcasts, self.group, wire_dtype)
+            buckets = self._broadcasts + self._stepped_frozen_buckets()
+            start_broadcasts(buckets, self.group, wire_dtype).wait()
         return loss
+
+    def _stepped_frozen_buckets(self) -> tuple:
+        """Broadcast buckets for the frozen parameters that their owners just stepped.
+
+        Only the owner knows whether a frozen parameter holds a gradient (under ZeRO-2 the
+        others released theirs), so the ranks agree with one small all-reduce; a model without
+        frozen parameters skips it.
+        """
+        frozen = self._partition.frozen_indices()
+        if not frozen or self.world_size == 1:
+            return ()
+        params, owners = self._partition.params, self._partition.owners
+        stepped = torch.tensor(
+            [owners[i] == self.rank and params[i].grad is not None for i in frozen],
+            dtype=torch.int32,
+            device=_comm.comm_device(self.group),
+        )
+        _comm.all_reduce(stepped, self.group, dist.ReduceOp.MAX)
+        by_owner: list[list[torch.Tensor]] = [[] for _ in range(self.world_size)]
+        for i, was_stepped in zip(frozen, stepped.tolist()):
+            if was_stepped:
+                by_owner[owners[i]].append(params[i])
+        return plan_broadcasts(by_owner, self.broadcast_buffer_size)
 
     def _step_local_shard(self, closure: Optional[Callable[[], Any]], *args: Any, **kwargs: Any) -> Any:
         if self._inner_step_takes_closure:
@@ -175,24 +203,13 @@ class OSS(Optimizer):
         """Clip gradients by their global norm across all shards; return that norm.
 
         Equals ``torch.nn.utils.clip_grad_norm_`` over the full model's gradients, but each rank
-        only reads (and scales) the gradients of the parameters it steps. Collective.
+        only reads (and scales) the gradients of the parameters it owns. Collective.
         ``filter_params_fn`` may narrow the rank's parameter list before the norm is taken.
         """
-        norm_type = float(norm_type)
-        params = [self._partition.params[i] for i in self._partition.owned_indices(self.rank, True)]
+        params = [self._partition.params[i] for i in self._partition.owned_indices(self.rank)]
         if filter_params_fn is not None:
             params = list(filter_params_fn(params))
-        grads = [p.grad for p in params if p.grad is not None]
-        device = _comm.comm_device(self.group)
-        total = _local_norm_term(grads, norm_type, device)
-        op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
-        _comm.all_reduce(total, self.group, op)
-        if norm_type != float("inf"):
-            total = total ** (1.0 / norm_type)
-        clip_coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        for grad in grads:
-            grad.detach().mul_(clip_coef.to(grad.device, grad.dtype))
-        return total
+        return clip_by_global_norm([p.grad for p in params if p.grad is not None], max_norm, norm_type, self.group)
 
     # ------------------------------------------------------------- changing the partition
 
@@ -202,7 +219,7 @@ class OSS(Optimizer):
         self._check_new_group(params)
         param_group = {**param_group, "params": params}
         super().add_param_group(param_group)
-        if self._partition is None:
+        if not hasattr(self, "_partition"):  # Optimizer.__init__ adding the initial groups
             return
         self._check_same_params_on_all_ranks()
         partition = self._partition.with_group(self.param_groups[-1]["params"])
@@ -215,8 +232,8 @@ class OSS(Optimizer):
         """Re-partition after ``requires_grad`` changed on some parameters. Collective.
 
         Trainable parameters are balanced afresh; optimizer state follows each parameter to its
-        new owner (state of a frozen parameter is kept, not stepped, until it trains again), so
-        all replicas stay identical. ``step()`` calls this itself when it sees a change.
+        new owner (a frozen parameter keeps its state for when it trains again), so all replicas
+        stay identical. ``step()`` calls this itself when it sees a change.
         """
         self._check_same_params_on_all_ranks()
         new = Partition.build([g["params"] for g in self.param_groups], self.world_size)
@@ -224,15 +241,10 @@ class OSS(Optimizer):
         self._install(new)
 
     def _install(self, partition: Partition) -> None:
-        """Make ``partition`` current: inner param lists, active vs parked state, broadcast plan."""
+        """Make ``partition`` current: the inner optimizer's param lists and the broadcast plan."""
         self._partition = partition
         for inner, mine in zip(self.optim.param_groups, partition.owned_by_group(self.rank)):
             inner["params"] = mine
-        stepped = {p for group in self.optim.param_groups for p in group["params"]}
-        for p in [p for p in self.optim.state if p not in stepped]:
-            self._parked_state[p] = self.optim.state.pop(p)
-        for p in [p for p in self._parked_state if p in stepped]:
-            self.optim.state[p] = self._parked_state.pop(p)
         self._plan_broadcasts()
 
     def _plan_broadcasts(self) -> None:
@@ -246,21 +258,33 @@ class OSS(Optimizer):
         release_residents(old, keep=self._broadcasts)
 
     def _move_state_to_owners(self, new: Partition) -> None:
-        """Send the state this rank keeps for parameters that ``new`` gives to another rank."""
+        """Send what this rank keeps for parameters that ``new`` gives to another rank: their
+        optimizer state, and their gradient, which under ZeRO-2 only the old owner holds and
+        which decides whether the new owner steps the parameter."""
         owner = new.owner_of()
-        outgoing: dict[int, dict[torch.Tensor, dict[str, Any]]] = defaultdict(dict)
-        for states in (self.optim.state, self._parked_state):
-            for p in [p for p in states if owner[p] != self.rank]:
-                outgoing[owner[p]][p] = states.pop(p)
-        shards = {dst: snapshot_shard(states, new) for dst, states in outgoing.items()}
-        for shard in _comm.exchange_objects(shards, self.group).values():
-            self._park({new.params[index]: state for index, state in shard.items()})
+        states: dict[int, dict[torch.Tensor, dict[str, Any]]] = defaultdict(dict)
+        grads: dict[int, dict[torch.Tensor, dict[str, Any]]] = defaultdict(dict)
+        for p in [p for p in self.optim.state if owner[p] != self.rank]:
+            states[owner[p]][p] = self.optim.state.pop(p)
+        for p, old_owner in zip(self._partition.params, self._partition.owners):
+            if old_owner == self.rank and owner[p] != self.rank and p.grad is not None:
+                grads[owner[p]][p] = {"grad": p.grad}
+        outgoing = {
+            dst: (snapshot_shard(states[dst], new), snapshot_shard(grads[dst], new))
+            for dst in set(states) | set(grads)
+        }
+        for state_shard, grad_shard in _comm.exchange_objects(outgoing, self.group).values():
+            self._adopt({new.params[index]: state for index, state in state_shard.items()})
+            for index, held in grad_shard.items():
+                param = new.params[index]
+                if param.grad is None:
+                    param.grad = held["grad"].to(param.device, param.dtype)
 
-    def _park(self, states: dict[torch.Tensor, dict[str, Any]]) -> None:
-        """Keep copies of ``states`` beside their parameters; :meth:`_install` activates the stepped ones."""
+    def _adopt(self, states: dict[torch.Tensor, dict[str, Any]]) -> None:
+        """Take copies of ``states`` as the inner optimizer's state of their (owned) parameters."""
         group_of = {p: group for group in self.param_groups for p in group["params"]}
         for param, state in states.items():
-            self._parked_state[param] = restore_state(state, param, group_of[param])
+            self.optim.state[param] = restore_state(state, param, group_of[param])
 
     # ------------------------------------------------------------------------ state dicts
 
@@ -273,7 +297,7 @@ class OSS(Optimizer):
             raise ValueError(
                 f"rank {self.rank}: recipient_rank {recipient_rank} is outside 0..{self.world_size - 1} (or -1)"
             )
-        mine = snapshot_shard({**self.optim.state, **self._parked_state}, self._partition)
+        mine = snapshot_shard(self.optim.state, self._partition)
         recipients = range(self.world_size) if recipient_rank == -1 else [recipient_rank]
         received = _comm.exchange_objects({r: mine for r in recipients if r != self.rank}, self.group)
         if self.rank not in recipients:
@@ -311,10 +335,8 @@ class OSS(Optimizer):
             group.update(_hyperparams(saved))
         self._push_hyperparams()
         self.optim.state.clear()
-        self._parked_state.clear()
         owner = self._partition.owner_of()
-        self._park({param: state for param, state in states.items() if owner[param] == self.rank})
-        self._install(self._partition)
+        self._adopt({param: state for param, state in states.items() if owner[param] == self.rank})
         self._consolidated = None
 
     # ------------------------------------------------------------------------- internals
@@ -361,14 +383,3 @@ class OSS(Optimizer):
 def _hyperparams(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k != "params"}
 
-
-def _local_norm_term(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
-    """This rank's contribution to the global norm: max |g| for inf, else sum |g|^p."""
-    if not grads:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    norms = torch.stack(
-        [torch.linalg.vector_norm(g.detach(), norm_type).to(device, torch.float32) for g in grads]
-    )
-    if norm_type == float("inf"):
-        return norms.max()
-    return (norms**norm_type).sum()

@@ -15,11 +15,13 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from . import _comm
 from ._broadcast import PendingBroadcasts, plan_broadcasts, start_broadcasts
 from ._checks import check_same_across_ranks
-from ._grad_router import GradRouter
+from ._grad_router import BackwardStats, GradRouter
+from ._norm import clip_by_global_norm
 from .oss import OSS
 
 __all__ = ["ShardedDataParallel"]
@@ -75,8 +77,10 @@ class ShardedDataParallel(nn.Module):
         self.reduce_fp16 = reduce_fp16
         self.warn_on_trainable_params_changed = warn_on_trainable_params_changed
         self._warned_trainability_change = False
-        self._sync_enabled = True
+        # DDP's switch: False makes the next forward's backward accumulate locally (no_sync).
+        self.require_backward_grad_sync = True
 
+        _check_no_sparse_gradients(module, self.rank)
         check_same_across_ranks(
             list(module.named_parameters()) + list(module.named_buffers()),
             self.process_group,
@@ -96,12 +100,23 @@ class ShardedDataParallel(nn.Module):
         if self.auto_refresh_trainable and self._trainability_changed():
             self._warn_trainability_changed_once()
             self.refresh_trainable()
-        if self.broadcast_buffers and self._sync_enabled:
+        if self.broadcast_buffers and self.require_backward_grad_sync:
             self.sync_buffers(blocking=True)
+        self._router.before_forward()
         # As with DDP, the forward decides whether its backward reduces: a forward run inside
         # no_sync() accumulates even if backward is called after the context has closed.
-        self._router.sync_enabled = self._sync_enabled
-        return self.module(*inputs, **kwargs)
+        self._router.sync_enabled = self.require_backward_grad_sync
+        outputs = self.module(*inputs, **kwargs)
+        if self.require_backward_grad_sync and torch.is_grad_enabled():
+            self._mark_backward_start_on(outputs)
+        return outputs
+
+    def _mark_backward_start_on(self, outputs: Any) -> None:
+        """Hook the outputs, so the end-of-backward flush attaches to the backward through them."""
+        on_output_grad = self._router.on_output_grad
+        for leaf in tree_leaves(outputs):
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                leaf.register_hook(lambda grad: on_output_grad())
 
     def __getattr__(self, name: str) -> Any:
         """Attributes not found on the wrapper come from the wrapped module."""
@@ -119,12 +134,12 @@ class ShardedDataParallel(nn.Module):
         As with DDP's ``no_sync``, the backward of a forward run inside accumulates (wherever
         ``backward()`` is called); the first synced backward after it reduces the sums.
         """
-        previous = self._sync_enabled
-        self._sync_enabled = False
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
         try:
             yield
         finally:
-            self._sync_enabled = previous
+            self.require_backward_grad_sync = previous
 
     def reduce(self) -> None:
         """Reduce the gradients the parameters hold now to their owners. Collective.
@@ -133,6 +148,58 @@ class ShardedDataParallel(nn.Module):
         backward passes that all ran inside :meth:`no_sync`.
         """
         self._router.reduce_current_grads()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the module's gradients by their global norm; return that norm. Collective.
+
+        Call it after backward, in place of ``torch.nn.utils.clip_grad_norm_``: after a
+        sharded backward each rank holds only its own gradients (the others are ``None``), so
+        torch's function would clip each rank by a partial norm. Here each rank's shard
+        contributes its share and the result equals torch's function on DDP.
+        """
+        return clip_by_global_norm(self._grads_this_rank_answers_for(), max_norm, norm_type, self.process_group)
+
+    def _grads_this_rank_answers_for(self) -> list[torch.Tensor]:
+        """Gradients of the parameters this rank owns; rank 0 also answers for the parameters
+        no optimizer holds (replicated, so counted once)."""
+        owner_of: dict[torch.Tensor, int] = {}
+        for optimizer in self.sharded_optimizers:
+            owner_of.update(optimizer.param_to_rank)
+        return [
+            p.grad
+            for p in self.module.parameters()
+            if p.grad is not None and owner_of.get(p, 0) == self.rank
+        ]
+
+    @property
+    def backward_stats(self) -> Optional[BackwardStats]:
+        """How the last synced backward's reduction overlapped it (None before the first)."""
+        return self._router.last_backward
+
+    # ------------------------------------------------------------------ DDP's attributes
+
+    @property
+    def device_type(self) -> str:
+        """The device type of the module's parameters, as DDP reports it."""
+        return next(self.module.parameters()).device.type
+
+    @property
+    def is_multi_device_module(self) -> bool:
+        """Whether the module's parameters live on more than one device, as DDP reports it."""
+        return len({p.device for p in self.module.parameters()}) > 1
+
+    @property
+    def device_ids(self) -> Optional[list[int]]:
+        """As DDP: the one accelerator device of a single-device module, else ``None``."""
+        if self.device_type == "cpu" or self.is_multi_device_module:
+            return None
+        return [next(self.module.parameters()).device.index]
+
+    @property
+    def output_device(self) -> Optional[int]:
+        """As DDP: where outputs are gathered, i.e. ``device_ids[0]``, or ``None``."""
+        ids = self.device_ids
+        return ids[0] if ids else None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero (or release) the gradients of the wrapped module's parameters."""
@@ -183,11 +250,12 @@ class ShardedDataParallel(nn.Module):
         for optimizer in self.sharded_optimizers:
             owner_of.update(optimizer.param_to_rank)
         return GradRouter(
-            list(reversed(trainable)),  # gradients arrive roughly in reverse definition order
+            list(reversed(trainable)),  # first guess of the ready order; re-planned after one backward
             owner_of,
             self.process_group,
             self.reduce_buffer_size,
             self.reduce_fp16,
+            names={p: n for n, p in self.module.named_parameters()},
         )
 
     def _trainable_params_covered_by_optimizers(self) -> list[torch.Tensor]:
@@ -229,12 +297,21 @@ class ShardedDataParallel(nn.Module):
         return start_broadcasts(plan_broadcasts([tensors], self.reduce_buffer_size), self.process_group)
 
 
+def _check_no_sparse_gradients(module: nn.Module, rank: int) -> None:
+    """Refuse modules that produce sparse gradients, which reduce buckets cannot carry."""
+    for name, sub in module.named_modules():
+        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse:
+            raise ValueError(
+                f"rank {rank}: module {name or type(module).__name__} ({type(sub).__name__}) has "
+                "sparse=True; ShardedDataParallel reduces dense gradients only. Build it with "
+                "sparse=False, or use DistributedDataParallel, which reduces sparse gradients"
+            )
+
+
 def _as_optimizer_list(
-    sharded_optimizer: Union[OSS, Sequence[OSS]], group: dist.ProcessGroup
+    sharded_optimizer: Union[OSS, Sequence[OSS]], group: Optional[dist.ProcessGroup]
 ) -> list[OSS]:
-    optimizers = (
-        list(sharded_optimizer) if isinstance(sharded_optimizer, (list, tuple)) else [sharded_optimizer]
-    )
+    optimizers: list = list(sharded_optimizer) if isinstance(sharded_optimizer, (list, tuple)) else [sharded_optimizer]
     if not optimizers:
         raise ValueError("ShardedDataParallel needs at least one OSS optimizer")
     for i, optimizer in enumerate(optimizers):

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from sharded import OSS, ShardedDataParallel
 from tests._harness import run_on_ranks
@@ -54,3 +59,51 @@ def _check_second_backward(rank, world):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_backward_twice_without_step_raises_instead_of_corrupting(world_size):
     run_on_ranks(_check_second_backward, world_size)
+
+
+class _FunctionalSparse(nn.Module):
+    """Sparse gradients without a sparse module: only the backward can see them."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(10, 4))
+
+    def forward(self, idx):
+        return F.embedding(idx, self.table, sparse=True)
+
+
+def _check_gradients_that_cannot_be_reduced(rank, world):
+    sparse = nn.Sequential(nn.Linear(4, 4), nn.Embedding(10, 4, sparse=True))
+    with pytest.raises(ValueError, match=rf"rank {rank}: module 1 \(Embedding\) has sparse=True.*DistributedDataParallel"):
+        ShardedDataParallel(sparse, OSS(sparse.parameters(), torch.optim.SGD, lr=0.1))
+    model = _FunctionalSparse()
+    sdp = ShardedDataParallel(model, OSS(model.parameters(), torch.optim.SGD, lr=0.1))
+    if world > 1:
+        with pytest.raises(RuntimeError, match=rf"rank {rank}: parameter table got a sparse gradient"):
+            sdp(torch.tensor([1, 2])).sum().backward()
+    # a gradient that carries a graph (backward with create_graph=True) cannot be reduced: the
+    # backward says so where it can (several ranks), the next forward always does
+    model = gpt()
+    sdp = ShardedDataParallel(model, OSS(model.parameters(), torch.optim.SGD, lr=0.1))
+    with pytest.raises(RuntimeError, match=rf"rank {rank}: the gradient of parameter \S+ requires grad") if world > 1 else contextlib.nullcontext():
+        gpt_loss(sdp, token_batch(rank, 0)).backward(create_graph=True)
+    with pytest.raises(RuntimeError, match=r"the gradient of parameter \S+ requires grad \(backward with create_graph=True\)"):
+        sdp(token_batch(rank, 1))
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_sparse_and_double_backward_gradients_raise_naming_the_parameter(world_size):
+    run_on_ranks(_check_gradients_that_cannot_be_reduced, world_size)
+
+
+def _check_ddp_attributes(rank, world):
+    model = gpt()
+    sdp = ShardedDataParallel(model, OSS(model.parameters(), torch.optim.SGD, lr=0.1))
+    ddp = DDP(gpt())
+    for name in ("device_type", "is_multi_device_module", "device_ids", "output_device", "require_backward_grad_sync"):
+        assert getattr(sdp, name) == getattr(ddp, name), (name, getattr(sdp, name), getattr(ddp, name))
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_attributes_libraries_read_on_ddp_read_the_same(world_size):
+    run_on_ranks(_check_ddp_attributes, world_size)

@@ -1,0 +1,324 @@
+"""Training loops written for DDP, run on ShardedDataParallel unchanged: activation
+checkpointing, DDP's accumulation switch, clipping, ``torch.compile``, and a reduce order that
+follows the real backward even when some parameters get no gradient.
+
+Tolerances. These use SGD, whose update is linear in the gradient, so the only difference to
+DDP is the order of float32 additions: DDP all-reduces a gradient autograd already summed,
+while a gradient produced in several backward passes (reentrant checkpointing) is summed here
+pass by pass, and a reduce adds ranks in another order than an all-reduce. That is a few ulps
+of each gradient, carried linearly over a few steps: ``ATOL``/``RTOL`` of test_oss cover it
+with a wide margin, and a dropped or overwritten contribution (the bug these tests guard
+against) moves parameters by 1e-2 or more.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import checkpoint
+
+from sharded import OSS, ShardedDataParallel
+from tests._harness import assert_same_on_all_ranks, run_on_ranks
+from tests._models import gpt, gpt_loss, token_batch
+from tests.test_oss import _assert_close
+
+WORLD_SIZES = [1, 2, 3]
+SGD = dict(lr=0.1, momentum=0.9)
+
+
+# --------------------------------------------------------------- activation checkpointing
+
+
+class _Stack(nn.Module):
+    """Input layer, four layers (one block reused four times, or four blocks), output layer.
+
+    ``checkpointing`` is ``"none"``, ``"layer"`` (each layer its own segment) or ``"whole"``
+    (the four layers in one segment). ``gate`` is used inside every segment and again outside,
+    so its gradient comes from several backward passes even without shared blocks.
+    """
+
+    def __init__(self, shared: bool, checkpointing: str = "none", reentrant: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.out = nn.Linear(8, 16), nn.Linear(16, 4)
+        self.gate = nn.Parameter(torch.full((16,), 0.5))
+        block = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+        self.layers = nn.ModuleList([block] * 4 if shared else [nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)])
+        self.checkpointing, self.reentrant = checkpointing, reentrant
+
+    def _layer(self, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        return h + self.gate * layer(h)
+
+    def _layers(self, h: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            if self.checkpointing == "layer":
+                h = checkpoint(self._layer, layer, h, use_reentrant=self.reentrant)
+            else:
+                h = self._layer(layer, h)
+        return h
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        if self.checkpointing == "whole":
+            h = checkpoint(self._layers, h, use_reentrant=self.reentrant)
+        else:
+            h = self._layers(h)
+        return self.out(h * self.gate)
+
+
+def _stack_batch(rank: int, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(5, 8, generator=g)
+
+
+def _train_stack(model, optimizer, rank, steps, micro_steps, forward=None):
+    """``micro_steps`` forwards per step, all but the last inside ``no_sync``."""
+    forward = forward or model
+    for step in range(steps):
+        optimizer.zero_grad()
+        for micro in range(micro_steps):
+            last = micro == micro_steps - 1
+            with contextlib.nullcontext() if last else model.no_sync():
+                forward(_stack_batch(rank, 10 * step + micro)).pow(2).mean().backward()
+        optimizer.step()
+
+
+def _check_checkpointing(rank, world):
+    steps = 3
+    for micro_steps in (1, 3):
+        references = {}
+        for shared in (True, False):
+            ref = _Stack(shared)
+            _train_stack(DDP(ref), torch.optim.SGD(ref.parameters(), **SGD), rank, steps, micro_steps)
+            references[shared] = ref
+        for shared in (True, False):
+            for checkpointing in ("layer", "whole"):
+                for reentrant in (True, False):
+                    what = f"shared={shared} checkpointing={checkpointing} reentrant={reentrant} micro={micro_steps}"
+                    model = _Stack(shared, checkpointing, reentrant)
+                    optimizer = OSS(model.parameters(), torch.optim.SGD, **SGD)
+                    wrapped = ShardedDataParallel(model, optimizer, reduce_buffer_size=200)
+                    _train_stack(wrapped, optimizer, rank, steps, micro_steps)
+                    _assert_close(model, references[shared], what)
+                    assert_same_on_all_ranks(list(model.parameters()), what)
+                    if world > 1:
+                        # after the first backward each gradient's count of passes is known
+                        assert wrapped.backward_stats.late_reduces == 0, (what, wrapped.backward_stats)
+        # the wrapper itself inside a reentrant checkpoint: every gradient comes from a nested backward
+        model = _Stack(True)
+        optimizer = OSS(model.parameters(), torch.optim.SGD, **SGD)
+        wrapped = ShardedDataParallel(model, optimizer, reduce_buffer_size=200)
+        around = lambda x: checkpoint(wrapped, x.requires_grad_(), use_reentrant=True)
+        _train_stack(wrapped, optimizer, rank, steps, micro_steps, forward=around)
+        _assert_close(model, references[True], f"wrapper inside a reentrant checkpoint, micro={micro_steps}")
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_activation_checkpointing_reentrant_or_not_matches_ddp_without_it(world_size):
+    run_on_ranks(_check_checkpointing, world_size, timeout=180)
+
+
+# ------------------------------------------------------- DDP's accumulation switch, clipping
+
+
+def _two_groups(model):
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _ddp_style_loop(model, optimizer, clip, rank, steps=4, accumulation=2):
+    """A GPT training loop as written for DDP: accumulation by toggling
+    ``require_backward_grad_sync``, clipping, AdamW with two groups. Returns the losses."""
+    losses = []
+    for step in range(steps):
+        for micro in range(accumulation):
+            model.require_backward_grad_sync = micro == accumulation - 1
+            loss = gpt_loss(model, token_batch(rank, step * accumulation + micro)) / accumulation
+            loss.backward()
+        losses.append(clip(model))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return torch.stack(losses)
+
+
+def _check_ddp_loop_with_three_line_swap(rank, world):
+    hyper = dict(lr=3e-3, betas=(0.9, 0.95))
+    ref_model, our_model = gpt(), gpt()
+    ref_opt = torch.optim.AdamW(_two_groups(ref_model), **hyper)
+    ref = DDP(ref_model)
+    ref_norms = _ddp_style_loop(ref, ref_opt, lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.25), rank)
+    our_opt = OSS(_two_groups(our_model), torch.optim.AdamW, **hyper)  # 1: the optimizer
+    ours = ShardedDataParallel(our_model, our_opt)  # 2: the wrapper
+    our_norms = _ddp_style_loop(ours, our_opt, lambda m: m.clip_grad_norm_(0.25), rank)  # 3: the clip call
+    # The norms are taken before clipping: equal up to the order of float32 additions.
+    torch.testing.assert_close(our_norms, ref_norms, rtol=1e-5, atol=1e-6)
+    assert bool((ref_norms > 0.25).all()), f"clipping must be active for this test to mean anything: {ref_norms}"
+    # Adam is scale-free: ulp-level gradient noise moves an element by up to lr, so the bound is
+    # 0.1 * lr * steps on the worst element and rounding level on the mean.
+    diffs = torch.cat([(a - b).abs().flatten() for a, b in zip(our_model.parameters(), ref_model.parameters())])
+    assert diffs.max() <= 0.1 * hyper["lr"] * 4 and diffs.mean() <= 1e-6, (diffs.max(), diffs.mean())
+    ref_losses = [gpt_loss(ref, token_batch(rank, 100 + i)).item() for i in range(2)]
+    our_losses = [gpt_loss(ours, token_batch(rank, 100 + i)).item() for i in range(2)]
+    assert our_losses == pytest.approx(ref_losses, rel=1e-5), (our_losses, ref_losses)
+    # the switch is the state no_sync() toggles, readable both ways
+    ours.require_backward_grad_sync = True
+    with ours.no_sync():
+        assert ours.require_backward_grad_sync is False
+    assert ours.require_backward_grad_sync is True
+
+
+def _check_clip_grad_norm_types(rank, world):
+    for norm_type in (2.0, 1.0, float("inf")):
+        ref_model, our_model = gpt(), gpt()
+        ref_opt = torch.optim.SGD(ref_model.parameters(), **SGD)
+        our_opt = OSS(our_model.parameters(), torch.optim.SGD, **SGD)
+        ref, ours = DDP(ref_model), ShardedDataParallel(our_model, our_opt)
+        for step in range(3):
+            for model, opt in ((ref, ref_opt), (ours, our_opt)):
+                opt.zero_grad()
+                gpt_loss(model, token_batch(rank, step)).backward()
+                if model is ref:
+                    ref_norm = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.1, norm_type)
+                else:
+                    our_norm = ours.clip_grad_norm_(0.1, norm_type)
+                opt.step()
+            torch.testing.assert_close(our_norm, ref_norm, rtol=1e-5, atol=1e-7)
+        _assert_close(our_model, ref_model, f"clip_grad_norm_ norm_type={norm_type}")
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_ddp_loop_with_require_backward_grad_sync_and_clipping_gives_ddp_losses(world_size):
+    run_on_ranks(_check_ddp_loop_with_three_line_swap, world_size)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_clip_grad_norm_returns_the_global_norm_for_every_norm_type(world_size):
+    run_on_ranks(_check_clip_grad_norm_types, world_size)
+
+
+# --------------------------------------------------------------------------- torch.compile
+
+
+def _check_compile(rank, world):
+    ref_model = gpt()
+    ref_opt = torch.optim.SGD(ref_model.parameters(), **SGD)
+    ref = DDP(ref_model)
+    models = {}
+    for order in ("compile, then wrap", "wrap, then compile"):
+        torch._dynamo.reset()
+        model = gpt()
+        optimizer = OSS(model.parameters(), torch.optim.SGD, **SGD)
+        if order == "compile, then wrap":
+            wrapped = ShardedDataParallel(torch.compile(model, backend="aot_eager"), optimizer)
+        else:
+            wrapped = torch.compile(ShardedDataParallel(model, optimizer), backend="aot_eager")
+        models[order] = (model, wrapped, optimizer)
+    for step in range(3):
+        for model, optimizer in [(ref, ref_opt)] + [(w, o) for _, w, o in models.values()]:
+            optimizer.zero_grad()
+            gpt_loss(model, token_batch(rank, step)).backward()
+            optimizer.step()
+    for order, (model, _, _) in models.items():
+        _assert_close(model, ref_model, order)
+        assert_same_on_all_ranks(list(model.parameters()), order)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_compiled_model_matches_ddp_in_either_wrapping_order(world_size):
+    run_on_ranks(_check_compile, world_size, timeout=240)
+
+
+# ---------------------------------------------------- reduce order, unused parameters
+
+
+class _Reversed(nn.Module):
+    """Six layers run in the reverse of the order they are defined in, so gradients arrive in
+    definition order, against the usual guess. ``unused`` adds a layer defined last (the first
+    the usual guess expects a gradient from) that never runs; ``sometimes`` one that runs first,
+    when the forward is asked to, so that its gradient arrives last."""
+
+    def __init__(self, unused: bool = False, sometimes: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(6))
+        self.sometimes = nn.Linear(16, 16) if sometimes else None
+        self.unused = nn.Linear(16, 16) if unused else None
+
+    def forward(self, x: torch.Tensor, use_sometimes: bool = False) -> torch.Tensor:
+        if use_sometimes:
+            x = x + self.sometimes(x)
+        for layer in reversed(self.layers):
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _reversed_batch(rank, step):
+    g = torch.Generator().manual_seed(500 * step + rank)
+    return torch.randn(4, 16, generator=g)
+
+
+def _train_reversed(model, optimizer, rank, steps, sometimes_on=lambda step: False):
+    stats = []
+    for step in range(steps):
+        optimizer.zero_grad()
+        model(_reversed_batch(rank, step), use_sometimes=sometimes_on(step)).pow(2).mean().backward()
+        optimizer.step()
+        stats.append(getattr(model, "backward_stats", None))
+    return stats
+
+
+def _check_reduce_order_and_unused(rank, world):
+    bucket = 600  # about two layers per window: several buckets per owner
+    runs = {}
+    for unused in (False, True):
+        ref = _Reversed(unused)
+        _train_reversed(DDP(ref, find_unused_parameters=unused), torch.optim.SGD(ref.parameters(), **SGD), rank, 4)
+        model = _Reversed(unused)
+        optimizer = OSS(model.parameters(), torch.optim.SGD, **SGD)
+        wrapped = ShardedDataParallel(model, optimizer, reduce_buffer_size=bucket)
+        stats = _train_reversed(wrapped, optimizer, rank, 4)
+        _assert_close(model, ref, f"reversed execution order, unused={unused}")
+        runs[unused] = stats
+    first, later = runs[False][0], runs[False][-1]
+    # After one backward the plan follows the real order: every bucket but those of the last
+    # window (one per owner at most) leaves while gradients are still arriving.
+    assert later.launched_during_backward >= later.buckets - world, later
+    assert first.launched_during_backward < later.launched_during_backward, (first, later)
+    # An unused parameter early in the first guess changes neither overlap nor memory by more than a bucket.
+    with_unused = runs[True][-1]
+    one_bucket_bytes = (bucket + 16) * 4
+    assert abs(with_unused.launched_during_backward - later.launched_during_backward) <= 1, (with_unused, later)
+    assert abs(with_unused.peak_bucket_bytes - later.peak_bucket_bytes) <= one_bucket_bytes, (with_unused, later)
+    assert with_unused.late_reduces == 0
+
+
+def _check_parameter_used_only_sometimes(rank, world):
+    # used on rank 0 at steps 1 and 2 only: at step 1 its gradient arrives after its bucket
+    # left (it was unused at step 0, so nothing waited for it); at step 2 it is expected
+    sometimes_on = lambda step: rank == 0 and step in (1, 2)
+    ref = _Reversed(sometimes=True)
+    _train_reversed(DDP(ref, find_unused_parameters=True), torch.optim.SGD(ref.parameters(), **SGD), rank, 5, sometimes_on)
+    model = _Reversed(sometimes=True)
+    optimizer = OSS(model.parameters(), torch.optim.SGD, **SGD)
+    wrapped = ShardedDataParallel(model, optimizer, reduce_buffer_size=600)
+    stats = _train_reversed(wrapped, optimizer, rank, 5, sometimes_on)
+    _assert_close(model, ref, "a parameter used on some steps and some ranks only")
+    assert_same_on_all_ranks(list(model.parameters()), "replicas")
+    if world > 1:
+        assert stats[1].late_reduces >= 1, "the first use after an unused step is reduced late"
+        assert stats[2].late_reduces == 0, "then it is expected"
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_reduce_order_follows_the_real_backward_and_unused_parameters_do_not_stall_it(world_size):
+    run_on_ranks(_check_reduce_order_and_unused, world_size)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_parameter_used_on_some_steps_and_ranks_only_matches_ddp(world_size):
+    run_on_ranks(_check_parameter_used_only_sometimes, world_size)
