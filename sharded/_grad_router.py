@@ -34,7 +34,7 @@ import functools
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -159,7 +159,7 @@ class GradRouter:
             return  # recomputation inside a backward (reentrant checkpointing)
         for p in self.params:
             if p.grad is not None:
-                self._check_reducible(p)
+                self._check_reducible(p, p.grad)
         self._end_queued = False
         if self.phase is Phase.BACKWARD:
             self.phase = Phase.IDLE
@@ -188,7 +188,8 @@ class GradRouter:
             if self.phase is Phase.REDUCED:  # no step consumed the last reduce (a skipped one)
                 self._leave_reduced(current=param)  # decide before no_sync() refills the grads
             return
-        self._check_reducible(param)
+        grad = cast(torch.Tensor, param.grad)  # a post-accumulate-grad hook: it is set
+        self._check_reducible(param, grad)
         if self.phase is not Phase.BACKWARD:
             self._begin_backward(current=param)
             self._queue_end_of_backward()
@@ -202,9 +203,9 @@ class GradRouter:
             return
         b, slot = self._location[index]
         if b < bw.next_launch:
-            self._keep_late(index, param)
+            self._keep_late(index, param, grad)
             return
-        self._fill(b).add(slot, param.grad, self._scale)
+        self._fill(b).add(slot, grad, self._scale)
         param.grad = None
         if arrivals == expected:
             bw.partial.discard(index)
@@ -219,16 +220,15 @@ class GradRouter:
                 bw.first_launch_at = time.perf_counter()
             self._launch(bw.next_launch)
 
-    def _keep_late(self, index: int, param: torch.Tensor) -> None:
+    def _keep_late(self, index: int, param: torch.Tensor, grad: torch.Tensor) -> None:
         late = self._pass.late
         if index in late:
-            late[index].add_(param.grad, alpha=self._scale)
+            late[index].add_(grad, alpha=self._scale)
         else:
-            late[index] = param.grad.mul(self._scale).to(self.buckets[self._location[index][0]].wire_dtype)
+            late[index] = grad.mul(self._scale).to(self.buckets[self._location[index][0]].wire_dtype)
         param.grad = None
 
-    def _check_reducible(self, param: torch.Tensor) -> None:
-        grad = param.grad
+    def _check_reducible(self, param: torch.Tensor, grad: torch.Tensor) -> None:
         if grad.is_sparse:
             raise RuntimeError(
                 f"rank {self.rank}: parameter {self._name(param)} got a sparse gradient; "
@@ -332,8 +332,9 @@ class GradRouter:
         with torch.profiler.record_function("sharded::flush_pending_reduces"):
             for index in bw.partial:  # fewer arrivals than last time: what came is complete
                 b, slot = self._location[index]
-                self._fill(b).add(slot, self.params[index].grad, self._scale)
-                self.params[index].grad = None
+                param = self.params[index]
+                self._fill(b).add(slot, cast(torch.Tensor, param.grad), self._scale)
+                param.grad = None
             for b in range(bw.next_launch, len(self.buckets)):
                 self._launch(b)
             self._reduce_late_gradients()
