@@ -6,23 +6,16 @@ returns each rank's final weights; the tests below compare them here. Lightning 
 launched externally (``LOCAL_RANK``/``WORLD_SIZE`` set) and finds the gloo group initialised, so
 it neither spawns processes nor initialises a group of its own.
 
-Tolerances. With SGD the update is linear in the gradient, and at world 2 a reduce and an
-all-reduce add the same two numbers, so sharded and DDP agree to float32 rounding (``SGD_TOL``;
-they come out equal in practice). AdamW's ``m / sqrt(v)`` is scale-free, so ulp noise on a
-near-zero gradient element may move that element by up to ``lr`` per step: the worst element
-may differ by ``0.1 * lr * steps``, the mean difference must stay at rounding level (``1e-6``),
-which a real bug (a wrong schedule, a lost shard of state) would not.
+The tolerances are explained in tests/_lightning.py.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import subprocess
 import sys
-import warnings
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 import lightning as L
 import pytest
@@ -31,121 +24,46 @@ from lightning.fabric.plugins.precision import MixedPrecision as FabricMixedPrec
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_REGISTRY
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import StrategyRegistry
-from torch.utils.data import DataLoader
 
 import sharded.lightning
 from sharded import ShardedGradScaler
 from sharded.lightning import ShardedDDPStrategy
 from tests._harness import run_on_ranks
+from tests._lightning import (
+    ADAM_LR,
+    SGD_TOL,
+    STEPS,
+    GPTModule,
+    ManualGPTModule,
+    assert_adam_close,
+    assert_sgd_close,
+    error_of,
+    final_weights,
+    fit,
+    fp16_plugin,
+    loader,
+    make_trainer,
+    quiet_lightning,
+    weights_of,
+)
 from tests._models import gpt, gpt_loss, token_batch
 
-SGD_TOL = dict(atol=1e-6, rtol=1e-5)
-ADAM_LR = 1e-2
-STEPS = 4  # optimizer steps per run; the data is 2 batches per epoch, so 2 epochs
 SHARDED = ("ddp_sharded", "ddp_zero1")
 
 
-# --------------------------------------------------------------------------- rank side
-
-
-class GPTModule(L.LightningModule):
-    """The example GPT. ``recipe``: "sgd" (momentum), "adamw" (decay and no-decay groups, an lr
-    halving every step), or "lbfgs" (which OSS cannot shard)."""
-
-    def __init__(self, recipe: str = "sgd") -> None:
-        super().__init__()
-        self.model = gpt()
-        self.recipe = recipe
-
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        return gpt_loss(self.model, batch)
-
-    def configure_optimizers(self) -> Any:
-        if self.recipe == "sgd":
-            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
-        if self.recipe == "lbfgs":
-            return torch.optim.LBFGS(self.parameters())
-        optimizer = torch.optim.AdamW(_decay_groups(self), lr=ADAM_LR)
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
-
-
-class ManualGPTModule(GPTModule):
-    automatic_optimization = False
-
-
-class Evidence(L.Callback):
-    """What the strategy really built, seen just before each optimizer step."""
-
-    def on_before_optimizer_step(self, trainer: L.Trainer, module: L.LightningModule, optimizer: Any) -> None:
-        self.wrapper = type(trainer.strategy.model).__name__
-        self.optimizer = type(optimizer).__name__
-        self.grads_held = sum(p.grad is not None for p in module.parameters())
-
-
-def _decay_groups(module: torch.nn.Module) -> list[dict]:
-    return [
-        {"params": [p for p in module.parameters() if p.dim() >= 2], "weight_decay": 0.1},
-        {"params": [p for p in module.parameters() if p.dim() < 2], "weight_decay": 0.0},
-    ]
-
-
-def _loader(rank: int, batches: int = 2) -> DataLoader:
-    return DataLoader([token_batch(rank, step) for step in range(batches)], batch_size=None)
-
-
-def _trainer(rank: int, world: int, root: str, strategy: Any, **kwargs: Any) -> L.Trainer:
-    # Lightning's teardown deletes WORLD_SIZE, so every Trainer gets the variables afresh.
-    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world), NODE_RANK="0")
-    return L.Trainer(
-        accelerator="cpu", devices=world, strategy=strategy, default_root_dir=root, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        use_distributed_sampler=False, **{"max_steps": STEPS, **kwargs},
-    )
-
-
-def _weights(module: torch.nn.Module) -> list[float]:
-    """All parameters as one list (tensors would leave a rank by a file descriptor that dies with it)."""
-    return torch.cat([p.detach().reshape(-1).float() for p in module.parameters()]).tolist()
-
-
-def _fit(rank: int, world: int, root: str, strategy: Any, recipe: str = "sgd", **kwargs: Any) -> dict:
-    """Fit a fresh GPTModule; its final weights, what was built, and the warnings raised."""
-    module, evidence = GPTModule(recipe), Evidence()
-    trainer = _trainer(rank, world, root, strategy, callbacks=[evidence], **kwargs)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer.fit(module, _loader(rank))
-    return {
-        "weights": _weights(module),
-        "wrapper": evidence.wrapper,
-        "optimizer": evidence.optimizer,
-        "grads_held": evidence.grads_held,
-        "lrs": [group["lr"] for group in trainer.optimizers[0].param_groups],
-        "warnings": [str(w.message) for w in caught],
-        "trainer": trainer,
-    }
-
-
-def _fp16_plugin() -> MixedPrecision:
-    # Lightning turns precision="16-mixed" into bf16 on CPU, so fp16 comes as a plugin. With the
-    # loss halved for accumulation over 2, a scale of 2**21 overflows in the first step only.
-    return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**21))
-
-
 def _trainer_configs(rank: int, world: int, root: str) -> dict[str, dict]:
-    """Every Trainer configuration at world 2; name -> what ``_fit`` returns (Trainer dropped)."""
-    fit = partial(_fit, rank, world, root)
+    """Every Trainer configuration at world 2; name -> what ``fit`` returns (Trainer dropped)."""
+    fit_here = partial(fit, rank, world, root)
     runs: dict[str, dict] = {}
     for strategy in ("ddp", *SHARDED):
-        runs[f"sgd/{strategy}"] = fit(strategy)
-        runs[f"accumulate_clip/{strategy}"] = fit(strategy, accumulate_grad_batches=2, gradient_clip_val=0.05)
-        runs[f"adamw_bf16/{strategy}"] = fit(strategy, "adamw", precision="bf16-mixed")
-        fp16 = fit(strategy, plugins=[_fp16_plugin()], accumulate_grad_batches=2)
+        runs[f"sgd/{strategy}"] = fit_here(strategy)
+        runs[f"accumulate_clip/{strategy}"] = fit_here(strategy, accumulate_grad_batches=2, gradient_clip_val=0.05)
+        runs[f"adamw_bf16/{strategy}"] = fit_here(strategy, "adamw", precision="bf16-mixed")
+        fp16 = fit_here(strategy, plugins=[fp16_plugin()], accumulate_grad_batches=2)
         scaler = fp16["trainer"].precision_plugin.scaler
         runs[f"fp16/{strategy}"] = {**fp16, "scaler": type(scaler).__name__, "scale": scaler.get_scale()}
-    runs["accumulate/ddp"] = fit("ddp", accumulate_grad_batches=2)
-    runs["stage2_object/ddp_sharded"] = fit(
+    runs["accumulate/ddp"] = fit_here("ddp", accumulate_grad_batches=2)
+    runs["stage2_object/ddp_sharded"] = fit_here(
         ShardedDDPStrategy(stage=2, reduce_buffer_size=500), "adamw", precision="bf16-mixed"
     )
     for run in runs.values():
@@ -163,13 +81,13 @@ def _resume_configs(rank: int, world: int, root: str) -> dict[str, dict]:
     runs = {}
     for strategy in ("ddp", *SHARDED):
         path = os.path.join(root, f"{strategy}.ckpt")
-        trainer = _trainer(rank, world, root, strategy, max_epochs=1, precision="bf16-mixed")
-        trainer.fit(GPTModule("adamw"), _loader(rank))
+        trainer = make_trainer(rank, world, root, strategy, max_epochs=1, precision="bf16-mixed")
+        trainer.fit(GPTModule("adamw"), loader(rank))
         trainer.save_checkpoint(path)
         module = GPTModule("adamw")
-        trainer = _trainer(rank, world, root, strategy, max_epochs=2, max_steps=-1, precision="bf16-mixed")
-        trainer.fit(module, _loader(rank), ckpt_path=path)
-        runs[f"resume/{strategy}"] = {"weights": _weights(module)}
+        trainer = make_trainer(rank, world, root, strategy, max_epochs=2, max_steps=-1, precision="bf16-mixed")
+        trainer.fit(module, loader(rank), ckpt_path=path)
+        runs[f"resume/{strategy}"] = {"weights": weights_of(module)}
     return runs
 
 
@@ -179,8 +97,8 @@ def _refit_configs(rank: int, world: int, root: str) -> dict[str, dict]:
     for strategy in ("ddp", "ddp_sharded"):
         module = GPTModule()
         for _ in range(2):
-            _trainer(rank, world, root, strategy).fit(module, _loader(rank))
-        runs[f"refit/{strategy}"] = {"weights": _weights(module)}
+            make_trainer(rank, world, root, strategy).fit(module, loader(rank))
+        runs[f"refit/{strategy}"] = {"weights": weights_of(module)}
     return runs
 
 
@@ -220,7 +138,7 @@ def _fabric_run(rank: int, world: int, strategy: str, root: str) -> dict:
     fabric.load(path, {"model": model, "optimizer": optimizer, "schedule": schedule})
     norms += train(model, optimizer, schedule, range(2, 4))
     return {
-        "weights": _weights(model),
+        "weights": weights_of(model),
         "norms": norms,
         "optimizer": type(optimizer.optimizer).__name__,
         "wrapper": type(model._forward_module).__name__,
@@ -231,7 +149,7 @@ def _fabric_run(rank: int, world: int, strategy: str, root: str) -> dict:
 
 
 def _at_two_ranks(rank: int, world: int, root: str) -> dict[str, dict]:
-    _quiet_lightning()
+    quiet_lightning()
     runs = _trainer_configs(rank, world, root)
     runs.update(_resume_configs(rank, world, root))
     runs.update(_refit_configs(rank, world, root))
@@ -242,35 +160,21 @@ def _at_two_ranks(rank: int, world: int, root: str) -> dict[str, dict]:
 
 def _at_one_rank(rank: int, world: int, root: str) -> dict[str, Any]:
     """Resume the two-rank checkpoints at one process, then the error cases."""
-    _quiet_lightning()
+    quiet_lightning()
     runs: dict[str, Any] = {}
     for strategy in ("ddp", *SHARDED):
         module = GPTModule("adamw")
-        trainer = _trainer(rank, world, root, strategy, max_epochs=2, max_steps=-1, precision="bf16-mixed")
-        trainer.fit(module, _loader(rank), ckpt_path=os.path.join(root, f"{strategy}.ckpt"))
-        runs[f"resume_at_1/{strategy}"] = {"weights": _weights(module)}
-    checkpoint = torch.load(os.path.join(root, "ddp_sharded.ckpt"), map_location="cpu", weights_only=False)
+        trainer = make_trainer(rank, world, root, strategy, max_epochs=2, max_steps=-1, precision="bf16-mixed")
+        trainer.fit(module, loader(rank), ckpt_path=os.path.join(root, f"{strategy}.ckpt"))
+        runs[f"resume_at_1/{strategy}"] = {"weights": weights_of(module)}
+    checkpoint = torch.load(os.path.join(root, "ddp_sharded.ckpt"), map_location="cpu", weights_only=True)
     runs["saved_optimizer_states"] = len(checkpoint["optimizer_states"][0]["state"])
     runs["params"] = len(list(GPTModule().parameters()))
     runs["errors"] = {
-        "lbfgs": _error_of(lambda: _trainer(rank, world, root, "ddp_sharded").fit(GPTModule("lbfgs"), _loader(rank))),
-        "manual": _error_of(lambda: _trainer(rank, world, root, "ddp_sharded").fit(ManualGPTModule(), _loader(rank))),
+        "lbfgs": error_of(lambda: make_trainer(rank, world, root, "ddp_sharded").fit(GPTModule("lbfgs"), loader(rank))),
+        "manual": error_of(lambda: make_trainer(rank, world, root, "ddp_sharded").fit(ManualGPTModule(), loader(rank))),
     }
     return runs
-
-
-def _quiet_lightning() -> None:
-    """Keep Lightning's per-Trainer banners out of the output that failures show."""
-    for name in ("lightning.pytorch", "lightning.fabric"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-
-
-def _error_of(run: Callable[[], Any]) -> str:
-    try:
-        run()
-    except Exception as error:  # the message is what the tests check
-        return f"{type(error).__name__}: {error}"
-    return "no error"
 
 
 # ------------------------------------------------------------------------- parent side
@@ -285,27 +189,9 @@ def launches(tmp_path_factory) -> dict[str, Any]:
     return {"two": two, "one": one[0]}
 
 
-def _final(launches: dict, name: str) -> torch.Tensor:
-    """Rank 0's final weights of a two-rank run, after checking every rank holds the same."""
-    ranks = [torch.tensor(runs[name]["weights"]) for runs in launches["two"]]
-    for rank, weights in enumerate(ranks[1:], start=1):
-        assert torch.equal(weights, ranks[0]), f"{name}: rank {rank}'s replica differs from rank 0's"
-    return ranks[0]
-
-
-def _assert_sgd_close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
-    torch.testing.assert_close(ours, ref, **SGD_TOL, msg=lambda m: f"{what}: {m}")
-
-
-def _assert_adam_close(ours: torch.Tensor, ref: torch.Tensor, what: str, steps: int = STEPS) -> None:
-    diff = (ours - ref).abs()
-    assert diff.max() <= 0.1 * ADAM_LR * steps, f"{what}: max diff {diff.max():.3g}"
-    assert diff.mean() <= 1e-6, f"{what}: mean diff {diff.mean():.3g}"
-
-
 @pytest.mark.parametrize("strategy", SHARDED)
 def test_trainer_strategy_matches_ddp_and_really_shards(launches, strategy):
-    _assert_sgd_close(_final(launches, f"sgd/{strategy}"), _final(launches, "sgd/ddp"), strategy)
+    assert_sgd_close(final_weights(launches, f"sgd/{strategy}"), final_weights(launches, "sgd/ddp"), strategy)
     seen = launches["two"][0][f"sgd/{strategy}"]
     assert seen["optimizer"] == "OSS"
     if strategy == "ddp_sharded":  # gradients sharded: each rank holds only the ones it owns
@@ -318,15 +204,15 @@ def test_trainer_strategy_matches_ddp_and_really_shards(launches, strategy):
 
 @pytest.mark.parametrize("strategy", SHARDED)
 def test_accumulation_and_clipping_by_the_global_norm_match_ddp(launches, strategy):
-    ref = _final(launches, "accumulate_clip/ddp")
-    assert not torch.allclose(ref, _final(launches, "accumulate/ddp")), "clip_val too large to clip anything"
-    _assert_sgd_close(_final(launches, f"accumulate_clip/{strategy}"), ref, f"{strategy} accumulate 2 + clip")
+    ref = final_weights(launches, "accumulate_clip/ddp")
+    assert not torch.allclose(ref, final_weights(launches, "accumulate/ddp")), "clip_val too large to clip anything"
+    assert_sgd_close(final_weights(launches, f"accumulate_clip/{strategy}"), ref, f"{strategy} accumulate 2 + clip")
 
 
 @pytest.mark.parametrize("strategy", SHARDED)
 def test_adamw_param_groups_scheduler_and_bf16_match_ddp(launches, strategy):
     ours, ref = launches["two"][0][f"adamw_bf16/{strategy}"], launches["two"][0]["adamw_bf16/ddp"]
-    _assert_adam_close(_final(launches, f"adamw_bf16/{strategy}"), _final(launches, "adamw_bf16/ddp"), strategy)
+    assert_adam_close(final_weights(launches, f"adamw_bf16/{strategy}"), final_weights(launches, "adamw_bf16/ddp"), strategy)
     assert ours["lrs"] == ref["lrs"] == [ADAM_LR * 0.5**STEPS] * 2, "the scheduler did not drive OSS"
     assert not [w for w in ours["warnings"] if "lr_scheduler" in w or "optimizer.step()" in w], ours["warnings"]
 
@@ -336,18 +222,18 @@ def test_fp16_loss_scaling_with_accumulation_agrees_across_ranks_and_matches_ddp
     ours, ref = launches["two"][0][f"fp16/{strategy}"], launches["two"][0]["fp16/ddp"]
     assert ours["scaler"] == "ShardedGradScaler"
     assert ours["scale"] == ref["scale"] == 2.0**20, "expected exactly one skipped step"
-    _assert_sgd_close(_final(launches, f"fp16/{strategy}"), _final(launches, "fp16/ddp"), f"{strategy} fp16")
+    assert_sgd_close(final_weights(launches, f"fp16/{strategy}"), final_weights(launches, "fp16/ddp"), f"{strategy} fp16")
 
 
 def test_strategy_object_with_small_buckets_matches_ddp(launches):
-    _assert_adam_close(
-        _final(launches, "stage2_object/ddp_sharded"), _final(launches, "adamw_bf16/ddp"), "ShardedDDPStrategy(stage=2)"
+    assert_adam_close(
+        final_weights(launches, "stage2_object/ddp_sharded"), final_weights(launches, "adamw_bf16/ddp"), "ShardedDDPStrategy(stage=2)"
     )
 
 
 @pytest.mark.parametrize("strategy", SHARDED)
 def test_save_and_resume_match_uninterrupted_ddp(launches, strategy):
-    _assert_adam_close(_final(launches, f"resume/{strategy}"), _final(launches, "adamw_bf16/ddp"), f"{strategy} resumed")
+    assert_adam_close(final_weights(launches, f"resume/{strategy}"), final_weights(launches, "adamw_bf16/ddp"), f"{strategy} resumed")
 
 
 def test_checkpoint_holds_the_whole_optimizer_state_in_torch_format(launches):
@@ -358,17 +244,17 @@ def test_checkpoint_holds_the_whole_optimizer_state_in_torch_format(launches):
 def test_resume_at_one_process_matches_ddp_resumed_there(launches, strategy):
     ours, ref = launches["one"][f"resume_at_1/{strategy}"], launches["one"]["resume_at_1/ddp"]
     what = f"{strategy} resumed at 1 process"
-    _assert_adam_close(torch.tensor(ours["weights"]), torch.tensor(ref["weights"]), what, steps=STEPS // 2)
+    assert_adam_close(torch.tensor(ours["weights"]), torch.tensor(ref["weights"]), what, steps=STEPS // 2)
 
 
 def test_a_module_fitted_twice_matches_ddp(launches):
-    _assert_sgd_close(_final(launches, "refit/ddp_sharded"), _final(launches, "refit/ddp"), "second fit")
+    assert_sgd_close(final_weights(launches, "refit/ddp_sharded"), final_weights(launches, "refit/ddp"), "second fit")
 
 
 @pytest.mark.parametrize("strategy", SHARDED)
 def test_fabric_strategy_matches_ddp_in_fp16_with_accumulation_clipping_and_save_load(launches, strategy):
     ours, ref = launches["two"][0][f"fabric/{strategy}"], launches["two"][0]["fabric/ddp"]
-    _assert_sgd_close(_final(launches, f"fabric/{strategy}"), _final(launches, "fabric/ddp"), f"fabric {strategy}")
+    assert_sgd_close(final_weights(launches, f"fabric/{strategy}"), final_weights(launches, "fabric/ddp"), f"fabric {strategy}")
     torch.testing.assert_close(torch.tensor(ours["norms"]), torch.tensor(ref["norms"]), **SGD_TOL)
     assert ref["norms"][0] == float("inf") and min(ref["norms"][1:]) > 0.05, "one overflow, then clipping"
     assert ours["scaler"] == "ShardedGradScaler" and ours["scale"] == ref["scale"] == 2.0**20
