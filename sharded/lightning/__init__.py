@@ -1,7 +1,7 @@
 """Lightning strategies over sharded's layers: ``Trainer(strategy="ddp_sharded")`` works again.
 
 Importing this package registers ``"ddp_sharded"`` (ZeRO-2) and ``"ddp_zero1"`` (ZeRO-1) with the
-Lightning Trainer and with Lightning Fabric::
+Lightning Trainer and with Lightning Fabric, and ``"sharded_fsdp"`` (ZeRO-3) with the Trainer::
 
     import lightning as L
     import sharded.lightning  # noqa: F401  (registers the strategies)
@@ -9,7 +9,8 @@ Lightning Trainer and with Lightning Fabric::
     trainer = L.Trainer(strategy="ddp_sharded", accelerator="gpu", devices=8)
 
 It needs Lightning 2 (``pip install 'sharded[lightning]'``); ``import sharded`` alone never
-imports Lightning. Strategy classes: :class:`ShardedDDPStrategy` for the Trainer, and
+imports Lightning. Strategy classes: :class:`ShardedDDPStrategy` and :class:`ShardedFSDPStrategy` (the
+arguments of Lightning's ``FSDPStrategy``) for the Trainer, and
 ``sharded.lightning.fabric.ShardedDDPStrategy`` for Fabric.
 """
 
@@ -27,8 +28,10 @@ from lightning.pytorch.strategies import StrategyRegistry as _TRAINER_REGISTRY
 
 from . import fabric
 from .ddp import ShardedDDPStrategy
+from .fsdp import ShardedFSDPStrategy
 
-__all__ = ["ShardedDDPStrategy", "fabric"]
+__all__ = ["ShardedDDPStrategy", "ShardedFSDPStrategy", "fabric"]
 
 ShardedDDPStrategy.register_strategies(_TRAINER_REGISTRY)
+ShardedFSDPStrategy.register_strategies(_TRAINER_REGISTRY)
 fabric.ShardedDDPStrategy.register_strategies(_FABRIC_REGISTRY)

@@ -23,7 +23,14 @@ from ..grad_scaler import ShardedGradScaler
 from ..oss import OSS
 from ..sharded_ddp import ShardedDataParallel
 
-__all__ = ["ShardingConfig", "as_sharded_scaler", "point_schedulers_at", "shard_optimizers", "wrap_stage2"]
+__all__ = [
+    "ShardingConfig",
+    "as_sharded_scaler",
+    "clip_by_global_norm",
+    "point_schedulers_at",
+    "shard_optimizers",
+    "wrap_stage2",
+]
 
 # DDP options that mean nothing to ShardedDataParallel, which learns each parameter's gradient
 # count and order from the previous backward: accepted at stage 2 so that ``strategy=`` lines
@@ -175,6 +182,20 @@ def as_sharded_scaler(scaler: Optional[torch.amp.GradScaler], device: str) -> Op
         enabled=scaler.is_enabled(),
         device=device,
     )
+
+
+def clip_by_global_norm(optimizer: Optimizer, max_norm: float) -> torch.Tensor:
+    """Collective: clip ``optimizer``'s gradients by their norm over every rank; return that norm.
+
+    An ``OSS`` (ZeRO-1/2) knows which rank holds which gradient; other optimizers hold
+    parameters that are DTensor shards (ZeRO-3) or whole tensors, which
+    :func:`sharded.fsdp.clip_grad_norm_` adds up over the ranks holding their shards.
+    """
+    if isinstance(optimizer, OSS):
+        return optimizer.clip_grad_norm(max_norm)
+    from ..fsdp import clip_grad_norm_  # DTensor is slow to import: only where ZeRO-3 is used
+
+    return clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]], max_norm)
 
 
 def _rank() -> int:

@@ -2,8 +2,8 @@
 
 The Trainer clips gradients in its precision plugin, with ``torch.nn.utils.clip_grad_norm_`` over
 the optimizer's parameters. Under ZeRO-2 each rank holds only the gradients it owns (the others
-are ``None``), so that would clip every rank by the norm of its own shard. These plugins clip
-with :meth:`sharded.OSS.clip_grad_norm` instead (each rank's shard contributes, the norm equals
+are ``None``), and under ZeRO-3 only its shard of each, so that would clip every rank by the norm
+of its own part. These plugins clip by the norm over every rank's part instead (it equals
 torch's on DDP), and ``"16-mixed"`` scales the loss with a :class:`~sharded.ShardedGradScaler`.
 
 :class:`~sharded.lightning.ShardedDDPStrategy` converts the plugin the Trainer picks for a
@@ -20,7 +20,7 @@ from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, 
 from torch.optim import Optimizer
 
 from ..grad_scaler import ShardedGradScaler
-from ._sharding import as_sharded_scaler
+from ._sharding import as_sharded_scaler, clip_by_global_norm
 
 __all__ = [
     "ShardedDoublePrecision",
@@ -35,8 +35,8 @@ class _GlobalNormClipping:
     """Mixin for a ``Precision`` plugin: clip by the norm over every rank's shard."""
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        """Clip the optimizer's gradients by their global norm (collective; ``optimizer`` is an OSS)."""
-        optimizer.clip_grad_norm(clip_val)  # type: ignore[attr-defined]
+        """Clip the optimizer's gradients by their global norm (collective)."""
+        clip_by_global_norm(optimizer, clip_val)
 
 
 class ShardedPrecision(_GlobalNormClipping, Precision):

@@ -1,0 +1,279 @@
+"""``ShardedFSDPStrategy``: ZeRO-3 for the Lightning Trainer over sharded's layer 3
+(``strategy="sharded_fsdp"``), with the arguments of Lightning's own ``FSDPStrategy``.
+
+Processes, devices, launchers and collectives are those of Lightning's ``DDPStrategy``, which
+this class extends; what differs is what happens to the model (sharded by
+:class:`sharded.FullyShardedDataParallel` instead of wrapped in DDP) and to checkpoints (full
+or sharded, see :mod:`sharded.lightning._fsdp_checkpoint`).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Generator, Literal, Mapping, Optional
+
+import torch
+import lightning.pytorch as pl
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+from torch.optim import Optimizer
+
+from . import _fsdp_checkpoint as checkpoints
+from ._fsdp_setup import FSDPConfig, checkpoint_activations, is_sharded, shard_module
+from .precision import ShardedPrecision, to_sharded_precision
+
+__all__ = ["ShardedFSDPStrategy"]
+
+_STATE_DICT_TYPES = ("full", "sharded")
+
+
+class ShardedFSDPStrategy(DDPStrategy):
+    """Fully sharded training (ZeRO-3) with sharded's layer 3; a drop-in for Lightning's
+    ``FSDPStrategy``: ``Trainer(strategy=ShardedFSDPStrategy(...))`` or
+    ``Trainer(strategy="sharded_fsdp")`` once ``sharded.lightning`` is imported.
+
+    Parameters, gradients and optimizer state are sharded over the ranks. Each layer the
+    ``auto_wrap_policy`` picks (e.g. ``{Block}``) becomes a unit whose parameters are gathered
+    just before its forward and backward and freed after; the LightningModule itself is the unit
+    for the rest. Results equal ``strategy="ddp"``'s: the same optimizer steps the same averaged
+    gradients. Build the model in ``configure_model``: inside it tensors are created on the meta
+    device (no memory), and each unit is materialised (``reset_parameters()``) and sharded in
+    turn, so the whole model never exists on one rank. Build the optimizer in
+    ``configure_optimizers`` from ``self.parameters()`` as usual; it then steps each rank's shard.
+
+    ``accumulate_grad_batches`` accumulates without communication, ``gradient_clip_val`` clips
+    by the norm over every rank's shards, and ``precision="16-mixed"`` / ``"bf16-mixed"`` run
+    under autocast with full-precision shards (``"16-mixed"`` with a ``ShardedGradScaler``),
+    exactly as under ``strategy="ddp"``; ``mixed_precision=`` additionally gathers parameters
+    and reduces gradients in a narrower dtype.
+
+    Args:
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
+            process_group_backend, timeout: as for Lightning's strategies.
+        cpu_offload: ``True`` or ``CPUOffload(offload_params=True)`` (sharded's or torch's) to
+            keep shards, gradients and the optimizer step on the CPU.
+        mixed_precision: a ``MixedPrecision`` (sharded's or torch FSDP's): the dtypes
+            parameters are gathered and computed in, and gradients reduced in.
+        auto_wrap_policy: a set of layer classes or a wrap-policy callable
+            (:mod:`sharded.fsdp.wrap`): the layers that become units. ``None``: one unit.
+        activation_checkpointing_policy: the same shapes: the layers whose activations are
+            recomputed in backward instead of kept.
+        sharding_strategy: ``"FULL_SHARD"`` (ZeRO-3), ``"SHARD_GRAD_OP"`` (parameters kept
+            from forward to backward), ``"NO_SHARD"`` (DDP) or ``"HYBRID_SHARD"`` (sharded
+            within a node, replicated across nodes; pass ``device_mesh=(nodes, ranks_per_node)``
+            or run under torchrun), or a ``ShardingStrategy`` member.
+        state_dict_type: ``"full"``: checkpoints are one file with full tensors written by rank
+            0, in torch's format (they load under ``strategy="ddp"`` too). ``"sharded"``: a
+            folder in which each rank writes its shards (``torch.distributed.checkpoint``);
+            both resume at any world size.
+        **kwargs: ``sharded.FullyShardedDataParallel``'s other arguments (``device_mesh``,
+            ``param_init_fn``, ``ignored_modules``, ``backward_prefetch``...), and
+            ``start_method`` as for ``DDPStrategy``.
+    """
+
+    def __init__(
+        self,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        cpu_offload: Any = None,
+        mixed_precision: Any = None,
+        auto_wrap_policy: Any = None,
+        activation_checkpointing_policy: Any = None,
+        sharding_strategy: Any = "FULL_SHARD",
+        state_dict_type: Literal["full", "sharded"] = "full",
+        **kwargs: Any,
+    ) -> None:
+        if state_dict_type not in _STATE_DICT_TYPES:
+            raise ValueError(f"state_dict_type must be 'full' or 'sharded', got {state_dict_type!r}")
+        launch = {"start_method": kwargs.pop("start_method")} if "start_method" in kwargs else {}
+        self._mesh_shape = kwargs.pop("device_mesh") if isinstance(kwargs.get("device_mesh"), tuple) else None
+        self._fsdp = FSDPConfig.from_arguments(
+            sharding_strategy, cpu_offload, mixed_precision, auto_wrap_policy, activation_checkpointing_policy, kwargs
+        )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            **launch,
+        )
+        self._state_dict_type = state_dict_type
+
+    @property
+    def state_dict_type(self) -> str:
+        """``"full"`` or ``"sharded"``: how checkpoints are written."""
+        return self._state_dict_type
+
+    @property
+    def sharding_strategy(self) -> Any:
+        """The :class:`sharded.fsdp.ShardingStrategy` in use."""
+        return self._fsdp.sharding_strategy
+
+    # ------------------------------------------------------------------------ precision
+
+    @property  # type: ignore[override]
+    def precision_plugin(self) -> Precision:
+        """The precision plugin, always one that clips by the norm over every rank's shards."""
+        return self._precision_plugin if self._precision_plugin is not None else ShardedPrecision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        self._precision_plugin = None if plugin is None else to_sharded_precision(plugin)
+
+    # ------------------------------------------------------------------------ set-up
+
+    def setup_environment(self) -> None:
+        """Start the process group as DDP does; then build a ``device_mesh`` given as a tuple."""
+        super().setup_environment()
+        if self._mesh_shape is not None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh(self.root_device.type, self._mesh_shape, mesh_dim_names=("replicate", "shard"))
+            self._fsdp = replace(self._fsdp, wrapper_kwargs={**self._fsdp.wrapper_kwargs, "device_mesh": mesh})
+
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Around ``configure_model``: tensors are created on the meta device, taking no memory;
+        setup materialises and shards them one unit at a time."""
+        with torch.device("meta"):
+            yield
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        """Shard the model (not just when fitting: evaluation also needs the units' gathers),
+        then build the optimizers over the sharded parameters."""
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
+            self.model = self._layer_sync.apply(self.model)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model = self._shard(self.model)
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _shard(self, module: nn.Module) -> nn.Module:
+        """``module`` sharded (a LightningModule fitted before already is), activations
+        checkpointed as the policy says."""
+        if not is_sharded(module):
+            device = self.root_device if self.root_device.type != "cpu" else None
+            module = shard_module(module, self._fsdp, device)
+        checkpoint_activations(module, self._fsdp.activation_checkpointing_policy)
+        return module
+
+    def model_to_device(self) -> None:
+        """Nothing: sharding puts each unit on the device as it materialises it."""
+
+    def configure_ddp(self) -> None:
+        """Nothing to wrap in DDP: :meth:`setup` shards the model."""
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Checkpoints load into the sharded model, so after setup."""
+        return True
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        """Optimizer state is loaded in :meth:`load_checkpoint`, shard by shard."""
+        return False
+
+    def teardown(self) -> None:
+        """Unwrap the model and tear down the environment; the LightningModule stays sharded
+        (fit it again, or read full weights with ``sharded.fsdp.summon_full_params``)."""
+        self.model = self.lightning_module
+        if self._layer_sync and self.model is not None and getattr(self.model, "_trainer", None) is not None:
+            if self.model.trainer.state.fn == TrainerFn.FITTING:
+                self.model = self._layer_sync.revert(self.model)
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    # ------------------------------------------------------------------------ checkpoints
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Collective: full tensors on rank 0 (``"full"``) or each rank's shards (``"sharded"``)."""
+        assert self.lightning_module is not None
+        if self._state_dict_type == "full":
+            return checkpoints.full_model_state(self.lightning_module)
+        return checkpoints.sharded_model_state(self.lightning_module)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """Collective: the whole state in torch's format on rank 0 (``"full"``) or each rank's
+        shards keyed by parameter name (``"sharded"``)."""
+        assert self.lightning_module is not None
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        if self._state_dict_type == "full":
+            return checkpoints.full_optimizer_state(self.lightning_module, optimizer)
+        return checkpoints.sharded_optimizer_state(self.lightning_module, optimizer)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
+        """``"full"``: rank 0 writes one file. ``"sharded"``: every rank writes into a folder."""
+        path = Path(self.broadcast(str(filepath)))
+        if self._state_dict_type == "full":
+            if path.is_dir():
+                raise IsADirectoryError(
+                    f"rank {self.global_rank}: state_dict_type='full' writes one file, but {path} is a folder "
+                    "(a sharded checkpoint?); remove it or save elsewhere"
+                )
+            super().save_checkpoint(checkpoint, path, storage_options)
+            return
+        if storage_options is not None:
+            raise TypeError(f"rank {self.global_rank}: state_dict_type='sharded' writes through torch.distributed.checkpoint, which takes no storage_options")
+        if path.is_file():
+            raise FileExistsError(
+                f"rank {self.global_rank}: state_dict_type='sharded' writes a folder, but {path} is a file "
+                "(a full checkpoint?); remove it or save elsewhere"
+            )
+        rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        checkpoints.save_sharded(path, checkpoint["state_dict"], checkpoint.get("optimizer_states", []), rest)
+
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Collective: load a full file or a sharded folder, saved at any world size, into the
+        sharded model (and, when fitting, the optimizers); return the rest of the checkpoint."""
+        assert self.lightning_module is not None
+        path = Path(self.broadcast(str(checkpoint_path)))
+        module = self.lightning_module
+        fitting = module.trainer.state.fn == TrainerFn.FITTING
+        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers] if fitting else []
+        if path.is_dir():
+            return checkpoints.load_sharded(path, module, optimizers, module.strict_loading)
+        if not path.is_file():
+            raise FileNotFoundError(f"rank {self.global_rank}: checkpoint {path} does not exist")
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return checkpoints.load_full(checkpoint, module, optimizers, module.strict_loading, path)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Nothing: :meth:`load_checkpoint` loaded the model already."""
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Nothing: :meth:`load_checkpoint` loaded the optimizers already."""
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """Register ``"sharded_fsdp"``."""
+        strategy_registry.register(
+            "sharded_fsdp", cls, description="ZeRO-3: sharded.FullyShardedDataParallel", override=True
+        )
