@@ -32,6 +32,7 @@ from tests._lightning import (
     assert_sgd_close,
     final_weights,
     fit,
+    fp16_plugin,
     loader,
     make_trainer,
     quiet_lightning,
@@ -119,9 +120,18 @@ def _parity_configs(rank: int, world: int, root: str) -> dict[str, dict]:
     runs["accumulate_clip/policy_callable"] = run(
         ShardedFSDPStrategy(auto_wrap_policy=units_of_1000), accumulate_grad_batches=2, gradient_clip_val=0.05
     )
+    for strategy in ("ddp", _fsdp()):
+        result = run(strategy, plugins=[fp16_plugin()], accumulate_grad_batches=2)
+        scaler = result["trainer"].precision_plugin.scaler
+        runs[f"fp16/{'ddp' if strategy == 'ddp' else 'sharded_fsdp'}"] = {**result, "scale": scaler.get_scale(), "scaler": type(scaler).__name__}
     for result in runs.values():
         del result["trainer"]
     runs["adamw_bf16/activation_checkpointing"] = _checkpointed_fit(rank, world, root)
+    for strategy in ("ddp", "sharded_fsdp"):
+        module = GPTModule()
+        for _ in range(2):
+            make_trainer(rank, world, root, strategy).fit(module, loader(rank))
+        runs[f"refit/{strategy}"] = {"weights": weights_of(module)}
     return runs
 
 
@@ -213,6 +223,17 @@ def test_adamw_bf16_with_activation_checkpointing_recomputes_and_matches_ddp(lau
     assert launches["two"][0]["adamw_bf16/activation_checkpointing"]["mlp_runs_per_step"] == 2
     ours, ref = final_weights(launches, "adamw_bf16/activation_checkpointing"), final_weights(launches, "adamw_bf16/ddp")
     assert_adam_close(ours, ref, "bf16-mixed + activation checkpointing")
+
+
+def test_fp16_loss_scaling_with_accumulation_matches_ddp(launches):
+    ours, ref = launches["two"][0]["fp16/sharded_fsdp"], launches["two"][0]["fp16/ddp"]
+    assert ours["scaler"] == "ShardedGradScaler"
+    assert ours["scale"] == ref["scale"] == 2.0**20, "expected exactly one skipped step"
+    assert_sgd_close(final_weights(launches, "fp16/sharded_fsdp"), final_weights(launches, "fp16/ddp"), "fp16")
+
+
+def test_a_module_fitted_twice_matches_ddp(launches):
+    assert_sgd_close(final_weights(launches, "refit/sharded_fsdp"), final_weights(launches, "refit/ddp"), "second fit")
 
 
 def test_configure_model_runs_on_the_meta_device_and_training_matches_ddp(launches):

@@ -174,13 +174,19 @@ class ShardedFSDPStrategy(DDPStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def _shard(self, module: nn.Module) -> nn.Module:
-        """``module`` sharded (a LightningModule fitted before already is), activations
-        checkpointed as the policy says."""
-        if not is_sharded(module):
+        """``module`` sharded and wrapped (a LightningModule fitted before is sharded already and
+        only wrapped), activations checkpointed as the policy says.
+
+        The wrapper matters: Lightning calls ``training_step`` through the wrapper's forward,
+        which calls the LightningModule, whose forward hooks gather its parameters.
+        """
+        if is_sharded(module):
+            wrapper: nn.Module = _ShardedModule(module)
+        else:
             device = self.root_device if self.root_device.type != "cpu" else None
-            module = shard_module(module, self._fsdp, device)
+            wrapper = shard_module(module, self._fsdp, device)
         checkpoint_activations(module, self._fsdp.activation_checkpointing_policy)
-        return module
+        return wrapper
 
     def model_to_device(self) -> None:
         """Nothing: sharding puts each unit on the device as it materialises it."""
@@ -277,3 +283,19 @@ class ShardedFSDPStrategy(DDPStrategy):
         strategy_registry.register(
             "sharded_fsdp", cls, description="ZeRO-3: sharded.FullyShardedDataParallel", override=True
         )
+
+
+class _ShardedModule(nn.Module):
+    """A module ``fully_shard`` was applied to before, called through ``forward`` (so its hooks
+    run) and offering ``no_sync`` where Lightning looks for it: a LightningModule fitted again."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def no_sync(self) -> Any:
+        """Backward passes inside accumulate gradients without communication."""
+        return self.module.no_sync()  # type: ignore[operator]
