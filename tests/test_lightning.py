@@ -20,7 +20,6 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from lightning.fabric.plugins.precision import MixedPrecision as FabricMixedPrecision
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_REGISTRY
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import StrategyRegistry
@@ -39,6 +38,7 @@ from tests._lightning import (
     assert_sgd_close,
     error_of,
     final_weights,
+    fabric_run,
     fit,
     fp16_plugin,
     loader,
@@ -46,7 +46,6 @@ from tests._lightning import (
     quiet_lightning,
     weights_of,
 )
-from tests._models import gpt, gpt_loss, token_batch
 
 SHARDED = ("ddp_sharded", "ddp_zero1")
 
@@ -102,59 +101,13 @@ def _refit_configs(rank: int, world: int, root: str) -> dict[str, dict]:
     return runs
 
 
-def _fabric_run(rank: int, world: int, strategy: str, root: str) -> dict:
-    """A Fabric loop in fp16 (the first step overflows and is skipped): SGD with a scheduler passed
-    to setup, accumulation over 2 micro-batches with ``no_backward_sync``, clipping by norm, then
-    save, load into a fresh setup, and 2 more steps."""
-    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world), NODE_RANK="0")
-    fp16 = FabricMixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**21))
-    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy, plugins=[fp16])
-    fabric.launch()
-
-    def setup() -> tuple:
-        model = gpt()
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
-        return fabric.setup(model, optimizer, scheduler=schedule)
-
-    def train(model: Any, optimizer: Any, schedule: Any, steps: range) -> list[float]:
-        norms = []
-        for step in steps:
-            for micro in range(2):
-                with fabric.no_backward_sync(model, enabled=micro == 0):
-                    fabric.backward(gpt_loss(model, token_batch(rank, 2 * step + micro)) / 2)
-            norm = fabric.clip_gradients(model, optimizer, max_norm=0.05, error_if_nonfinite=False)
-            norms.append(float(norm))
-            optimizer.step()
-            optimizer.zero_grad()
-            schedule.step()
-        return norms
-
-    model, optimizer, schedule = setup()
-    norms = train(model, optimizer, schedule, range(2))
-    path = os.path.join(root, f"fabric-{strategy}.ckpt")
-    fabric.save(path, {"model": model, "optimizer": optimizer, "schedule": schedule})
-    model, optimizer, schedule = setup()
-    fabric.load(path, {"model": model, "optimizer": optimizer, "schedule": schedule})
-    norms += train(model, optimizer, schedule, range(2, 4))
-    return {
-        "weights": weights_of(model),
-        "norms": norms,
-        "optimizer": type(optimizer.optimizer).__name__,
-        "wrapper": type(model._forward_module).__name__,
-        "lrs": [group["lr"] for group in optimizer.param_groups],
-        "scaler": type(fabric.strategy.precision.scaler).__name__,
-        "scale": fabric.strategy.precision.scaler.get_scale(),
-    }
-
-
 def _at_two_ranks(rank: int, world: int, root: str) -> dict[str, dict]:
     quiet_lightning()
     runs = _trainer_configs(rank, world, root)
     runs.update(_resume_configs(rank, world, root))
     runs.update(_refit_configs(rank, world, root))
     for strategy in ("ddp", *SHARDED):
-        runs[f"fabric/{strategy}"] = _fabric_run(rank, world, strategy, root)
+        runs[f"fabric/{strategy}"] = fabric_run(rank, world, strategy, strategy, root)
     return runs
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_REGISTRY
 from lightning.pytorch.plugins.precision import FSDPPrecision
 from lightning.pytorch.strategies import StrategyRegistry
 from torch.distributed.tensor import DTensor
@@ -25,11 +26,14 @@ from examples.gpt import Block
 from sharded.fsdp.wrap import size_based_auto_wrap_policy
 from sharded.lightning import ShardedFSDPStrategy
 from sharded.lightning._fsdp_checkpoint import METADATA_FILE
+from sharded.lightning.fabric_fsdp import ShardedFSDPStrategy as FabricFSDPStrategy
 from tests._harness import run_on_ranks
 from tests._lightning import (
     GPTModule,
     assert_adam_close,
+    SGD_TOL,
     assert_sgd_close,
+    fabric_run,
     final_weights,
     fit,
     fp16_plugin,
@@ -40,7 +44,7 @@ from tests._lightning import (
 )
 from tests._models import gpt
 
-STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_one_node")
 STATE_DICT_TYPES = ("full", "sharded")
 
 
@@ -116,6 +120,8 @@ def _parity_configs(rank: int, world: int, root: str) -> dict[str, dict]:
         runs[f"sgd/{name}"] = run(_fsdp(sharding_strategy=name))
     # replicated over 2 rows of 1 rank each: shards of one rank, gradients averaged across rows
     runs["sgd/HYBRID_SHARD"] = run(_fsdp(sharding_strategy="HYBRID_SHARD", device_mesh=(2, 1)))
+    # by default one row per node: here 1 node, so sharded over both ranks
+    runs["sgd/HYBRID_SHARD_one_node"] = run(_fsdp(sharding_strategy="HYBRID_SHARD"))
     units_of_1000 = partial(size_based_auto_wrap_policy, min_num_params=1000)
     runs["accumulate_clip/policy_callable"] = run(
         ShardedFSDPStrategy(auto_wrap_policy=units_of_1000), accumulate_grad_batches=2, gradient_clip_val=0.05
@@ -168,9 +174,23 @@ def _resume_configs(rank: int, world: int, root: str) -> dict[str, dict]:
     return runs
 
 
+def _fabric_configs(rank: int, world: int, root: str) -> dict[str, dict]:
+    """The Fabric loop of test_lightning.py (fp16, accumulation, clipping, save, load) per state_dict_type."""
+    runs = {"fabric/ddp": fabric_run(rank, world, "ddp", "ddp", root)}
+    for kind in STATE_DICT_TYPES:
+        strategy = FabricFSDPStrategy(auto_wrap_policy={Block}, state_dict_type=kind)
+        runs[f"fabric/{kind}"] = fabric_run(rank, world, kind, strategy, root)
+    return runs
+
+
 def _at_two_ranks(rank: int, world: int, root: str) -> dict[str, dict]:
     quiet_lightning()
-    return {**_parity_configs(rank, world, root), **_meta_init_configs(rank, world, root), **_resume_configs(rank, world, root)}
+    return {
+        **_parity_configs(rank, world, root),
+        **_meta_init_configs(rank, world, root),
+        **_resume_configs(rank, world, root),
+        **_fabric_configs(rank, world, root),
+    }
 
 
 def _at_one_rank(rank: int, world: int, root: str) -> dict[str, Any]:
@@ -271,11 +291,22 @@ def test_full_checkpoint_is_one_file_in_torch_format_and_sharded_one_a_folder_pe
     assert METADATA_FILE in folder and len([name for name in folder if name.endswith(".distcp")]) == 2, folder
 
 
+@pytest.mark.parametrize("state_dict_type", STATE_DICT_TYPES)
+def test_fabric_strategy_matches_ddp_in_fp16_with_accumulation_clipping_and_save_load(launches, state_dict_type):
+    ours, ref = launches["two"][0][f"fabric/{state_dict_type}"], launches["two"][0]["fabric/ddp"]
+    assert_sgd_close(final_weights(launches, f"fabric/{state_dict_type}"), final_weights(launches, "fabric/ddp"), "fabric")
+    torch.testing.assert_close(torch.tensor(ours["norms"]), torch.tensor(ref["norms"]), **SGD_TOL)
+    assert ref["norms"][0] == float("inf") and min(ref["norms"][1:]) > 0.05, "one overflow, then clipping"
+    assert ours["scaler"] == "ShardedGradScaler" and ours["scale"] == ref["scale"] == 2.0**20
+    assert ours["lrs"] == ref["lrs"] == [0.05 * 0.5**4] and ours["wrapper"] == "FullyShardedDataParallel"
+
+
 # ------------------------------------------------------------------- single process
 
 
-def test_registered_as_sharded_fsdp():
+def test_registered_as_sharded_fsdp_for_the_trainer_and_fabric():
     assert StrategyRegistry["sharded_fsdp"]["strategy"] is ShardedFSDPStrategy
+    assert FABRIC_REGISTRY["sharded_fsdp"]["strategy"] is FabricFSDPStrategy
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
 """Lightning strategies over sharded's layers: ``Trainer(strategy="ddp_sharded")`` works again.
 
 Importing this package registers ``"ddp_sharded"`` (ZeRO-2) and ``"ddp_zero1"`` (ZeRO-1) with the
-Lightning Trainer and with Lightning Fabric, and ``"sharded_fsdp"`` (ZeRO-3) with the Trainer::
+Lightning Trainer and with Lightning Fabric, and so ``"sharded_fsdp"`` (ZeRO-3)::
 
     import lightning as L
     import sharded.lightning  # noqa: F401  (registers the strategies)
@@ -11,7 +11,8 @@ Lightning Trainer and with Lightning Fabric, and ``"sharded_fsdp"`` (ZeRO-3) wit
 It needs Lightning 2 (``pip install 'sharded[lightning]'``); ``import sharded`` alone never
 imports Lightning. Strategy classes: :class:`ShardedDDPStrategy` and :class:`ShardedFSDPStrategy` (the
 arguments of Lightning's ``FSDPStrategy``) for the Trainer, and
-``sharded.lightning.fabric.ShardedDDPStrategy`` for Fabric.
+``sharded.lightning.fabric.ShardedDDPStrategy`` and
+``sharded.lightning.fabric_fsdp.ShardedFSDPStrategy`` for Fabric.
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 from lightning.fabric.strategies import STRATEGY_REGISTRY as _FABRIC_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry as _TRAINER_REGISTRY
 
-from . import fabric
+from . import fabric, fabric_fsdp
 from .ddp import ShardedDDPStrategy
 from .fsdp import ShardedFSDPStrategy
 
-__all__ = ["ShardedDDPStrategy", "ShardedFSDPStrategy", "fabric"]
+__all__ = ["ShardedDDPStrategy", "ShardedFSDPStrategy", "fabric", "fabric_fsdp"]
 
 ShardedDDPStrategy.register_strategies(_TRAINER_REGISTRY)
 ShardedFSDPStrategy.register_strategies(_TRAINER_REGISTRY)
 fabric.ShardedDDPStrategy.register_strategies(_FABRIC_REGISTRY)
+fabric_fsdp.ShardedFSDPStrategy.register_strategies(_FABRIC_REGISTRY)

@@ -38,7 +38,10 @@ __all__ = [
     "full_model_state",
     "full_optimizer_state",
     "load_full",
+    "load_model_state",
+    "load_optimizer_state",
     "load_sharded",
+    "read_sharded",
     "save_sharded",
     "sharded_model_state",
     "sharded_optimizer_state",
@@ -70,36 +73,58 @@ def sharded_optimizer_state(module: nn.Module, optimizer: Optimizer) -> dict[str
     return get_optimizer_state_dict(module, optimizer)
 
 
-def save_sharded(folder: Path, model_state: Mapping[str, Any], optimizer_states: Sequence[Mapping[str, Any]], metadata: Mapping[str, Any]) -> None:
-    """Collective: write the shards into ``folder`` and, from rank 0, ``metadata`` beside them."""
+def load_model_state(module: nn.Module, state: Mapping[str, Any], full: bool, strict: bool) -> None:
+    """Collective: load a state dict of full tensors (``full``; each rank takes its shards) or
+    of shards into the sharded ``module``."""
+    set_model_state_dict(module, dict(state), options=StateDictOptions(full_state_dict=full, strict=strict))
+
+
+def load_optimizer_state(module: nn.Module, optimizer: Optimizer, state: Mapping[str, Any], full: bool, what: str) -> None:
+    """Collective: load an optimizer state, full (in torch's index-keyed format or keyed by
+    parameter name) or sharded, into ``optimizer`` over ``module``'s sharded parameters."""
+    if full:
+        state = _keyed_by_name(state, module, optimizer, what)
+    set_optimizer_state_dict(module, optimizer, dict(state), options=StateDictOptions(full_state_dict=full))
+
+
+def save_sharded(folder: Path, states: Mapping[str, Mapping[str, Any]], metadata: Mapping[str, Any]) -> None:
+    """Collective: write ``states`` (name -> a state dict of shards) into ``folder`` with
+    ``torch.distributed.checkpoint``, and from rank 0 ``metadata`` (anything else) beside them."""
     folder.mkdir(parents=True, exist_ok=True)
-    dcp.save(_sharded_layout(model_state, optimizer_states), checkpoint_id=folder)
+    dcp.save({name: dict(state) for name, state in states.items()}, checkpoint_id=folder)
     if dist.get_rank() == 0:
         torch.save(dict(metadata), folder / METADATA_FILE)
 
 
-def load_sharded(folder: Path, module: nn.Module, optimizers: Sequence[Optimizer], strict: bool) -> dict[str, Any]:
-    """Collective: load a sharded checkpoint into ``module`` and ``optimizers`` (none: the model
-    only) at this world size, whatever the world size that saved it; return its metadata."""
+def read_sharded(folder: Path, targets: dict[str, Any]) -> dict[str, Any]:
+    """Collective: fill ``targets`` (name -> a state dict of this rank's shards, as the objects
+    to load into give it now) from ``folder``, resharding to this world size; return the metadata."""
     if not (folder / METADATA_FILE).is_file():
         raise FileNotFoundError(
             f"rank {dist.get_rank()}: {folder} is a folder but not a sharded checkpoint: {METADATA_FILE} is missing"
         )
-    targets = _sharded_layout(sharded_model_state(module), [sharded_optimizer_state(module, o) for o in optimizers])
     dcp.load(targets, checkpoint_id=folder)
-    set_model_state_dict(module, targets["model"], options=StateDictOptions(strict=strict))
-    for index, optimizer in enumerate(optimizers):
-        set_optimizer_state_dict(module, optimizer, targets[f"optimizer_{index}"])
     return torch.load(folder / METADATA_FILE, map_location="cpu", weights_only=True)
+
+
+def load_sharded(folder: Path, module: nn.Module, optimizers: Sequence[Optimizer], strict: bool) -> dict[str, Any]:
+    """Collective: load a Trainer's sharded checkpoint (``model``, ``optimizer_0``...) into
+    ``module`` and ``optimizers`` (none: the model only); return its metadata."""
+    targets = _sharded_layout(sharded_model_state(module), [sharded_optimizer_state(module, o) for o in optimizers])
+    metadata = read_sharded(folder, targets)
+    load_model_state(module, targets["model"], full=False, strict=strict)
+    for index, optimizer in enumerate(optimizers):
+        load_optimizer_state(module, optimizer, targets[f"optimizer_{index}"], full=False, what=f"{folder}: optimizer {index}")
+    return metadata
 
 
 def load_full(
     checkpoint: dict[str, Any], module: nn.Module, optimizers: Sequence[Optimizer], strict: bool, path: Path
 ) -> dict[str, Any]:
-    """Collective: take this rank's shards of a full checkpoint (the dict of a file every rank
-    read) into ``module`` and, when given, ``optimizers``; return the rest of the checkpoint."""
+    """Collective: take this rank's shards of a Trainer's full checkpoint (the dict of a file
+    every rank read) into ``module`` and, when given, ``optimizers``; return the rest."""
     rest = dict(checkpoint)
-    set_model_state_dict(module, rest.pop("state_dict"), options=StateDictOptions(full_state_dict=True, strict=strict))
+    load_model_state(module, rest.pop("state_dict"), full=True, strict=strict)
     states = rest.pop("optimizer_states", None)
     if not optimizers or states is None:
         return rest
@@ -108,9 +133,8 @@ def load_full(
             f"rank {dist.get_rank()}: {path} holds the state of {len(states)} optimizers, but "
             f"configure_optimizers returned {len(optimizers)}"
         )
-    full = StateDictOptions(full_state_dict=True)
     for index, (optimizer, state) in enumerate(zip(optimizers, states)):
-        set_optimizer_state_dict(module, optimizer, _keyed_by_name(state, module, optimizer, f"{path}: optimizer {index}"), options=full)
+        load_optimizer_state(module, optimizer, state, full=True, what=f"{path}: optimizer {index}")
     return rest
 
 

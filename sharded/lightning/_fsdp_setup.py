@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Optional
 
 import torch
@@ -20,11 +20,23 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from torch.optim import Optimizer
+
 from ..fsdp import FullyShardedDataParallel
 from ..fsdp.fully_sharded_data_parallel import CPUOffload, MixedPrecision, ShardingStrategy
 from ..fsdp.wrap import as_wrap_policy, modules_to_wrap
+from ._sharding import constructor_defaults
 
-__all__ = ["FSDPConfig", "checkpoint_activations", "is_sharded", "shard_module"]
+__all__ = [
+    "FSDPConfig",
+    "ShardedRoot",
+    "checkpoint_activations",
+    "is_sharded",
+    "parameter_names",
+    "rebuild_optimizers",
+    "shard_module",
+    "with_hybrid_mesh",
+]
 
 # The strategies Lightning's FSDPStrategy offers by name.
 _STRATEGY_NAMES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
@@ -76,6 +88,21 @@ class FSDPConfig:
         )
 
 
+def with_hybrid_mesh(
+    config: FSDPConfig, shape: Optional[tuple[int, int]], device_type: str, nodes: int, processes_per_node: int
+) -> FSDPConfig:
+    """``config`` with the ``(replicate, shard)`` device mesh of hybrid sharding built: of
+    ``shape`` when given, else, under ``HYBRID_SHARD`` without a mesh or process groups of the
+    user's, one row per node. Collective (it creates the mesh's process groups)."""
+    given = {k for k, v in config.wrapper_kwargs.items() if v is not None} & {"device_mesh", "process_group"}
+    if shape is None and (config.sharding_strategy is not ShardingStrategy.HYBRID_SHARD or given):
+        return config
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, shape or (nodes, processes_per_node), mesh_dim_names=("replicate", "shard"))
+    return replace(config, wrapper_kwargs={**config.wrapper_kwargs, "device_mesh": mesh})
+
+
 def is_sharded(module: nn.Module) -> bool:
     """Whether ``fully_shard`` was already applied to ``module`` (a LightningModule fitted before)."""
     from ..fsdp import FSDPModule
@@ -100,6 +127,54 @@ def shard_module(module: nn.Module, config: FSDPConfig, device: Optional[torch.d
         device_id=device,
         **config.wrapper_kwargs,
     )
+
+
+class ShardedRoot(nn.Module):
+    """A module ``fully_shard`` was applied to before (a model set up again), called through
+    ``forward`` so that its hooks run, and offering ``no_sync`` where Lightning looks for it."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def no_sync(self) -> Any:
+        """Backward passes inside accumulate gradients without communication."""
+        return self.module.no_sync()  # type: ignore[operator]
+
+
+def parameter_names(module: nn.Module) -> dict[int, str]:
+    """Parameter id -> name in ``module``; sharding keeps the names, not the tensors."""
+    return {id(param): name for name, param in module.named_parameters()}
+
+
+def rebuild_optimizers(optimizers: list[Optimizer], names_before: dict[int, str], module: nn.Module) -> list[Optimizer]:
+    """Each optimizer built before ``module`` was sharded, re-created over the sharded parameters
+    of the same names, with the same param groups and hyperparameters.
+
+    Sharding replaces every parameter by a DTensor, so an optimizer holding the old tensors
+    would train nothing. ``names_before`` maps the old tensors to their names (see
+    :func:`parameter_names`). Optimizers that already stepped cannot be rebuilt (their state
+    belongs to the old tensors).
+    """
+    now = dict(module.named_parameters())
+    rebuilt = []
+    for index, optimizer in enumerate(optimizers):
+        if optimizer.state:
+            raise ValueError(f"rank {_rank()}: optimizer {index} has stepped already; set it up before training")
+        groups = []
+        for group in optimizer.param_groups:
+            strays = [p for p in group["params"] if id(p) not in names_before]
+            if strays:
+                raise ValueError(
+                    f"rank {_rank()}: optimizer {index} holds a parameter of shape {tuple(strays[0].shape)} that is not a "
+                    "parameter of the module set up with it"
+                )
+            groups.append({**group, "params": [now[names_before[id(p)]] for p in group["params"]]})
+        rebuilt.append(type(optimizer)(groups, **constructor_defaults(optimizer)))
+    return rebuilt
 
 
 def checkpoint_activations(module: nn.Module, policy: Optional[Callable[..., bool]]) -> list[nn.Module]:

@@ -27,6 +27,7 @@ __all__ = [
     "ShardingConfig",
     "as_sharded_scaler",
     "clip_by_global_norm",
+    "constructor_defaults",
     "point_schedulers_at",
     "shard_optimizers",
     "wrap_stage2",
@@ -107,7 +108,7 @@ def shard_optimizers(optimizers: Sequence[Optimizer], broadcast_fp16: bool) -> l
 def _as_oss(optimizer: Optimizer, index: int, broadcast_fp16: bool) -> OSS:
     try:
         return OSS(
-            optimizer.param_groups, type(optimizer), broadcast_fp16=broadcast_fp16, **_constructor_defaults(optimizer)
+            optimizer.param_groups, type(optimizer), broadcast_fp16=broadcast_fp16, **constructor_defaults(optimizer)
         )
     except TypeError as error:
         raise TypeError(
@@ -116,7 +117,7 @@ def _as_oss(optimizer: Optimizer, index: int, broadcast_fp16: bool) -> OSS:
         ) from error
 
 
-def _constructor_defaults(optimizer: Optimizer) -> dict[str, Any]:
+def constructor_defaults(optimizer: Optimizer) -> dict[str, Any]:
     """The optimizer's defaults that its constructor takes.
 
     ``defaults`` can hold more than the constructor accepts (torch's ``AdamW`` records Adam's

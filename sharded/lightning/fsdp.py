@@ -10,7 +10,6 @@ or sharded, see :mod:`sharded.lightning._fsdp_checkpoint`).
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Generator, Literal, Mapping, Optional
@@ -30,7 +29,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from . import _fsdp_checkpoint as checkpoints
-from ._fsdp_setup import FSDPConfig, checkpoint_activations, is_sharded, shard_module
+from ._fsdp_setup import FSDPConfig, ShardedRoot, checkpoint_activations, is_sharded, shard_module, with_hybrid_mesh
 from .precision import ShardedPrecision, to_sharded_precision
 
 __all__ = ["ShardedFSDPStrategy"]
@@ -71,8 +70,8 @@ class ShardedFSDPStrategy(DDPStrategy):
             recomputed in backward instead of kept.
         sharding_strategy: ``"FULL_SHARD"`` (ZeRO-3), ``"SHARD_GRAD_OP"`` (parameters kept
             from forward to backward), ``"NO_SHARD"`` (DDP) or ``"HYBRID_SHARD"`` (sharded
-            within a node, replicated across nodes; pass ``device_mesh=(nodes, ranks_per_node)``
-            or run under torchrun), or a ``ShardingStrategy`` member.
+            within a node, replicated across nodes; ``device_mesh=(replicate, shard)`` sizes
+            the grid otherwise), or a ``ShardingStrategy`` member.
         state_dict_type: ``"full"``: checkpoints are one file with full tensors written by rank
             0, in torch's format (they load under ``strategy="ddp"`` too). ``"sharded"``: a
             folder in which each rank writes its shards (``torch.distributed.checkpoint``);
@@ -142,13 +141,10 @@ class ShardedFSDPStrategy(DDPStrategy):
     # ------------------------------------------------------------------------ set-up
 
     def setup_environment(self) -> None:
-        """Start the process group as DDP does; then build a ``device_mesh`` given as a tuple."""
+        """Start the process group as DDP does; then build the ``(replicate, shard)`` mesh of
+        hybrid sharding: the tuple given as ``device_mesh``, or by default one row per node."""
         super().setup_environment()
-        if self._mesh_shape is not None:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            mesh = init_device_mesh(self.root_device.type, self._mesh_shape, mesh_dim_names=("replicate", "shard"))
-            self._fsdp = replace(self._fsdp, wrapper_kwargs={**self._fsdp.wrapper_kwargs, "device_mesh": mesh})
+        self._fsdp = with_hybrid_mesh(self._fsdp, self._mesh_shape, self.root_device.type, self.num_nodes, self.num_processes)
 
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
@@ -181,7 +177,7 @@ class ShardedFSDPStrategy(DDPStrategy):
         which calls the LightningModule, whose forward hooks gather its parameters.
         """
         if is_sharded(module):
-            wrapper: nn.Module = _ShardedModule(module)
+            wrapper: nn.Module = ShardedRoot(module)
         else:
             device = self.root_device if self.root_device.type != "cpu" else None
             wrapper = shard_module(module, self._fsdp, device)
@@ -254,7 +250,8 @@ class ShardedFSDPStrategy(DDPStrategy):
                 "(a full checkpoint?); remove it or save elsewhere"
             )
         rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        checkpoints.save_sharded(path, checkpoint["state_dict"], checkpoint.get("optimizer_states", []), rest)
+        optimizers = {f"optimizer_{i}": state for i, state in enumerate(checkpoint.get("optimizer_states", []))}
+        checkpoints.save_sharded(path, {"model": checkpoint["state_dict"], **optimizers}, rest)
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Collective: load a full file or a sharded folder, saved at any world size, into the
@@ -284,18 +281,3 @@ class ShardedFSDPStrategy(DDPStrategy):
             "sharded_fsdp", cls, description="ZeRO-3: sharded.FullyShardedDataParallel", override=True
         )
 
-
-class _ShardedModule(nn.Module):
-    """A module ``fully_shard`` was applied to before, called through ``forward`` (so its hooks
-    run) and offering ``no_sync`` where Lightning looks for it: a LightningModule fitted again."""
-
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self.module = module
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
-
-    def no_sync(self) -> Any:
-        """Backward passes inside accumulate gradients without communication."""
-        return self.module.no_sync()  # type: ignore[operator]
