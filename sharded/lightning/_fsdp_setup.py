@@ -18,9 +18,8 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.checkpoint import checkpoint
-
 from torch.optim import Optimizer
+from torch.utils.checkpoint import checkpoint
 
 from ..fsdp import FullyShardedDataParallel
 from ..fsdp.fully_sharded_data_parallel import CPUOffload, MixedPrecision, ShardingStrategy
@@ -46,7 +45,8 @@ _SET_BY_STRATEGY = ("self", "module", "sharding_strategy", "cpu_offload", "mixed
 
 @dataclass(frozen=True)
 class FSDPConfig:
-    """How to shard: the strategy's arguments, validated and converted to sharded's types.
+    """How to shard: the strategy's arguments, validated and converted to sharded's types by
+    :meth:`from_arguments`, which takes these spellings:
 
     Args:
         sharding_strategy: a name (``"FULL_SHARD"``...) or a ``ShardingStrategy`` member,
