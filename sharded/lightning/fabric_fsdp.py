@@ -286,7 +286,7 @@ class _NoSyncControl(_BackwardSyncControl):
             raise TypeError(
                 f"fabric.no_backward_sync needs the module that fabric.setup returned, got {type(module).__name__}"
             )
-        return module.no_sync()
+        return module.no_sync()  # type: ignore[operator]
 
 
 def _unwrapped(module: nn.Module) -> nn.Module:
