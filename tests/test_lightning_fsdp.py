@@ -326,6 +326,18 @@ def test_bad_arguments_are_refused_by_name(kwargs, error, message):
         ShardedFSDPStrategy(**kwargs)
 
 
+def test_a_checkpoint_holding_arbitrary_objects_is_refused_naming_the_file(tmp_path):
+    import argparse
+    import pickle
+
+    from sharded.lightning._fsdp_checkpoint import read_file
+
+    path = tmp_path / "hparams.ckpt"
+    torch.save({"hyper_parameters": argparse.Namespace(lr=0.1)}, path)
+    with pytest.raises(pickle.UnpicklingError, match=f"rank 0: {path} holds an object"):
+        read_file(path)
+
+
 def test_torch_fsdp_argument_types_are_accepted():
     from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
 

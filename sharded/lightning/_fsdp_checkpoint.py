@@ -17,6 +17,7 @@ speaks. Nothing here imports Lightning.
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -41,6 +42,7 @@ __all__ = [
     "load_model_state",
     "load_optimizer_state",
     "load_sharded",
+    "read_file",
     "read_sharded",
     "save_sharded",
     "sharded_model_state",
@@ -104,7 +106,19 @@ def read_sharded(folder: Path, targets: dict[str, Any]) -> dict[str, Any]:
             f"rank {dist.get_rank()}: {folder} is a folder but not a sharded checkpoint: {METADATA_FILE} is missing"
         )
     dcp.load(targets, checkpoint_id=folder)
-    return torch.load(folder / METADATA_FILE, map_location="cpu", weights_only=True)
+    return read_file(folder / METADATA_FILE)
+
+
+def read_file(path: Path) -> Any:
+    """A checkpoint file's contents, read safely (``weights_only=True``) on the CPU."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as error:
+        raise pickle.UnpicklingError(
+            f"rank {dist.get_rank() if dist.is_initialized() else 0}: {path} holds an object that "
+            f"torch.load(weights_only=True) does not load (save hyperparameters as plain values, e.g. "
+            f"vars(namespace)): {error}"
+        ) from error
 
 
 def load_sharded(folder: Path, module: nn.Module, optimizers: Sequence[Optimizer], strict: bool) -> dict[str, Any]:

@@ -222,7 +222,7 @@ class ShardedFSDPStrategy(DDPStrategy):
             saved = {**checkpoints.read_sharded(path, targets), **targets}
             full = False
         elif path.is_file():
-            saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            saved = checkpoints.read_file(path)
             wanted = {"module": state} if isinstance(state, nn.Module) else dict(state or {})
             saved = {"module": saved} if isinstance(state, nn.Module) else saved
             full = True

@@ -265,7 +265,7 @@ class ShardedFSDPStrategy(DDPStrategy):
             return checkpoints.load_sharded(path, module, optimizers, module.strict_loading)
         if not path.is_file():
             raise FileNotFoundError(f"rank {self.global_rank}: checkpoint {path} does not exist")
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        checkpoint = checkpoints.read_file(path)
         return checkpoints.load_full(checkpoint, module, optimizers, module.strict_loading, path)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
