@@ -42,7 +42,7 @@ from tests._lightning import (
     quiet_lightning,
     weights_of,
 )
-from tests._models import gpt
+from tests._models import gpt, gpt_loss, token_batch
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_one_node")
 STATE_DICT_TYPES = ("full", "sharded")
@@ -183,6 +183,21 @@ def _fabric_configs(rank: int, world: int, root: str) -> dict[str, dict]:
     return runs
 
 
+def _fabric_meta_init(rank: int, world: int) -> dict:
+    """fabric.init_module(empty_init=True) then setup and one step: what each rank held."""
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy="sharded_fsdp")
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        model = gpt()
+    built_on_meta = all(p.is_meta for p in model.parameters())
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    loss = gpt_loss(model, token_batch(rank, 0))
+    fabric.backward(loss)
+    optimizer.step()
+    local = sum(p.to_local().numel() for p in model.parameters())
+    return {"built_on_meta": built_on_meta, "local_numel": local, "full_numel": len(weights_of(model)), "loss": loss.item()}
+
+
 def _at_two_ranks(rank: int, world: int, root: str) -> dict[str, dict]:
     quiet_lightning()
     return {
@@ -190,6 +205,7 @@ def _at_two_ranks(rank: int, world: int, root: str) -> dict[str, dict]:
         **_meta_init_configs(rank, world, root),
         **_resume_configs(rank, world, root),
         **_fabric_configs(rank, world, root),
+        "fabric_meta_init": _fabric_meta_init(rank, world),
     }
 
 
@@ -299,6 +315,14 @@ def test_fabric_strategy_matches_ddp_in_fp16_with_accumulation_clipping_and_save
     assert ref["norms"][0] == float("inf") and min(ref["norms"][1:]) > 0.05, "one overflow, then clipping"
     assert ours["scaler"] == "ShardedGradScaler" and ours["scale"] == ref["scale"] == 2.0**20
     assert ours["lrs"] == ref["lrs"] == [0.05 * 0.5**4] and ours["wrapper"] == "FullyShardedDataParallel"
+
+
+def test_fabric_init_module_builds_on_the_meta_device_and_each_rank_holds_half(launches):
+    held = [runs["fabric_meta_init"] for runs in launches["two"]]
+    assert all(h["built_on_meta"] for h in held)
+    full = held[0]["full_numel"]
+    assert sum(h["local_numel"] for h in held) == full and max(h["local_numel"] for h in held) < 0.6 * full, held
+    assert all(0 < h["loss"] < 10 for h in held), held
 
 
 # ------------------------------------------------------------------- single process
