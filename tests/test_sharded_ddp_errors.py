@@ -102,6 +102,13 @@ def _check_ddp_attributes(rank, world):
     ddp = DDP(gpt())
     for name in ("device_type", "is_multi_device_module", "device_ids", "output_device", "require_backward_grad_sync"):
         assert getattr(sdp, name) == getattr(ddp, name), (name, getattr(sdp, name), getattr(ddp, name))
+    # after remove_hooks() the module trains alone again: each rank keeps its own local gradients
+    sdp.remove_hooks()
+    gpt_loss(model, token_batch(rank, 0)).backward()
+    plain = gpt()
+    gpt_loss(plain, token_batch(rank, 0)).backward()
+    stale = [n for (n, p), q in zip(model.named_parameters(), plain.parameters()) if not torch.equal(p.grad, q.grad)]
+    assert not stale, f"rank {rank}: gradients still routed after remove_hooks(): {stale[:3]}"
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
