@@ -194,7 +194,7 @@ class VerifyingReader(FileSystemReader):
             else:
                 _copy_tensor(record, item, planner)
         except Exception as error:
-            raise CheckpointError(f"{where}: damaged record ({type(error).__name__}: {error})") from error
+            raise CheckpointError(f"{where}: unreadable record ({type(error).__name__}: {error})") from error
 
 
 def _check_record(record: bytes) -> None:
