@@ -24,7 +24,8 @@ _PEER_FAILURE_MARKERS = (
     "Connection closed by peer",
     "Connection refused",
     "Broken pipe",
-    "Timed out waiting",  # gloo: a peer did not answer within the process group's timeout
+    "Application timeout",  # gloo: a peer did not answer within the process group's timeout
+    "Timed out waiting",  # the same, in older gloo
     "Socket Timeout",  # the rendezvous store
 )
 
