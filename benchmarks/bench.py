@@ -8,13 +8,25 @@ implementation keeps its own copy of the model and optimizer, and they take turn
 each, round after round, so that drift in this shared machine's speed hits them all alike.
 
 Per implementation it reports: median step time and its ratio to DDP (each step's time is the
-slowest rank's); optimizer-state and gradient bytes held on each rank (gradients measured after
-backward, i.e. after reduction); peak RSS per rank (a separate short launch per implementation,
-so peaks don't mix); bytes and calls communicated per step, counted at the Python collective
-level as algorithmic bytes per rank (ring model: all-reduce moves 2(W-1)/W of its tensor, reduce,
-broadcast, all-gather and reduce-scatter (W-1)/W); DDP's gradient all-reduce runs in its C++
-reducer, out of Python's sight, so it is added from the gradient sizes. Finally the last loss and
-the largest parameter difference to DDP after the same batches: a fast but wrong result shows.
+slowest rank's); its ratio to the **ideal** sharded step, measured in the same turns: forward +
+backward of the same batch with no communication at all, plus the optimizer step on this rank's
+1/N of the parameters; the **exposed communication** (step minus ideal) in ms and as a share of
+the step; the run's **noise** on that ratio (half the spread of the per-round ratios: differences
+smaller than it are ties); for ZeRO-2, the share of backward during which reduces were already
+under way (``overlap``, from ``ShardedDataParallel.backward_stats``); optimizer-state and
+gradient bytes held on each rank (gradients measured after backward, i.e. after reduction); peak
+RSS per rank (a separate short launch per implementation, so peaks don't mix); bytes and calls
+communicated per step, counted at the Python collective level as algorithmic bytes per rank
+(ring model: all-reduce moves 2(W-1)/W of its tensor, reduce, broadcast, all-gather and
+reduce-scatter (W-1)/W); DDP's gradient all-reduce runs in its C++ reducer, out of Python's
+sight, so it is added from the gradient sizes. Finally the last loss and the largest parameter
+difference to DDP after the same batches: a fast but wrong result shows.
+
+Two ZeRO-2 variants show what survives outside the plain case: ``zero2_compile`` runs the model
+through ``torch.compile`` (inductor) and ``zero2_unused`` adds one parameter that never gets a
+gradient, placed where the first-guess reduce order expects the first gradient.
+
+    python benchmarks/bench.py --profile zero2 --sizes 40m-short   # where a step's time goes
 """
 
 from __future__ import annotations
@@ -41,22 +53,39 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from gpt import GPT, next_token_loss  # noqa: E402  (examples/gpt.py: the model every job shares)
 
 IMPLS = {
+    "ideal": "ideal: no communication, 1/N step",
     "ddp": "torch DDP + Adam",
     "torch_zero": "torch ZeroRedundancyOptimizer + DDP",
     "fairscale": "fairscale OSS + ShardedDDP",
     "zero1": "sharded OSS + DDP",
     "zero2": "sharded OSS + ShardedDDP",
     "zero2_fp16": "sharded OSS + SDP, fp16 on the wire",
+    "zero2_compile": "sharded OSS + SDP, torch.compile",
+    "zero2_unused": "sharded OSS + SDP, 1 unused parameter",
+    "fsdp2": "torch fully_shard (FSDP2)",
+    "fsdp2_no_reshard": "torch fully_shard, no reshard after fwd",
+    "fsdp1": "torch FSDP1 FULL_SHARD",
+    "zero3": "sharded fully_shard (ZeRO-3)",
+    "zero3_grad_op": "sharded FSDP SHARD_GRAD_OP",
 }
 SHORT_NAMES = {"ddp": "DDP", "torch_zero": "torch ZeRO\n+ DDP", "fairscale": "fairscale\nOSS + SDP",
                "zero1": "sharded\nOSS + DDP", "zero2": "sharded\nOSS + SDP",
-               "zero2_fp16": "sharded SDP\nfp16 wire"}
+               "zero2_fp16": "sharded SDP\nfp16 wire", "ideal": "ideal",
+               "zero2_compile": "sharded SDP\ncompile", "zero2_unused": "sharded SDP\nunused param",
+               "fsdp2": "torch\nFSDP2", "fsdp2_no_reshard": "torch FSDP2\nno reshard",
+               "fsdp1": "torch\nFSDP1", "zero3": "sharded\nZeRO-3", "zero3_grad_op": "sharded\nSHARD_GRAD_OP"}
+# which ZeRO stage each implementation is, for the bytes-per-parameter table
+STAGES = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}
 # "-short" sizes run 32 tokens per rank: the step is then optimizer and communication work, as it is
 # when an accelerator makes the matrix work cheap, and that is where the implementations differ.
 SIZES = {"10m": dict(dim=384, layers=6, batch=8, seq=128), "40m": dict(dim=640, layers=8, batch=4, seq=128),
          "40m-short": dict(dim=640, layers=8, batch=1, seq=32)}
 COLLECTIVES = {"all_reduce": 2, "reduce": 1, "broadcast": 1, "all_gather": 1, "all_gather_into_tensor": 1,
-               "reduce_scatter_tensor": 1, "send": None, "recv": None}
+               "all_gather_single": 1, "reduce_scatter": 1, "reduce_scatter_tensor": 1, "reduce_scatter_single": 1,
+               "send": None, "recv": None}
+# the argument holding the full-size tensor, where it is not the first: a reduce-scatter's input
+FULL_SIZE_ARG = {"reduce_scatter": (1, "input_list"), "reduce_scatter_tensor": (1, "input"),
+                 "reduce_scatter_single": (1, "input")}
 VOCAB = 256
 LR = 1e-3
 
@@ -75,6 +104,16 @@ def tokens_for(size: str, step: int, rank: int, device) -> torch.Tensor:
 
 def build(impl: str, model: nn.Module):
     """(wrapped model, optimizer, set_to_none, local optimizer whose state this rank holds)."""
+    if impl == "ideal":  # the same work minus all communication: no wrapper, Adam on 1/N
+        from sharded._partition import Partition
+
+        mine = Partition.build([list(model.parameters())], dist.get_world_size()).owned_by_group(dist.get_rank())[0]
+        opt = torch.optim.Adam(mine, lr=LR)
+        return model, opt, True, opt
+    if impl == "zero2_unused":  # defined last: the first gradient the initial reduce order expects
+        model.unused = nn.Linear(model.head.in_features, model.head.in_features).to(model.head.weight.device)
+    if impl.startswith(("fsdp", "zero3")):
+        return build_fully_sharded(impl, model)
     params = model.parameters()
     if impl == "ddp":
         opt = torch.optim.Adam(params, lr=LR)
@@ -95,8 +134,54 @@ def build(impl: str, model: nn.Module):
 
     fp16_wire = impl == "zero2_fp16"
     opt = OSS(params, torch.optim.Adam, lr=LR, broadcast_fp16=fp16_wire)
-    wrapped = DDP(model) if impl == "zero1" else ShardedDataParallel(model, opt, reduce_fp16=fp16_wire)
-    return wrapped, opt, True, opt.optim
+    if impl == "zero1":
+        return DDP(model), opt, True, opt.optim
+    if impl == "zero2_compile":
+        model = torch.compile(model)
+    return ShardedDataParallel(model, opt, reduce_fp16=fp16_wire), opt, True, opt.optim
+
+
+def build_fully_sharded(impl: str, model: nn.Module):
+    """Layer 3 and torch's FSDPs, each GPT block a unit and the root the unit for the rest."""
+    from gpt import Block
+
+    if impl == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        model = FSDP1(model, auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True, device_id=device)
+    elif impl == "zero3_grad_op":
+        from sharded.fsdp import FullyShardedDataParallel, ShardingStrategy
+
+        model = FullyShardedDataParallel(model, sharding_strategy=ShardingStrategy.SHARD_GRAD_OP, auto_wrap_policy={Block})
+    else:
+        if impl == "zero3":
+            from sharded import fully_shard
+        else:
+            from torch.distributed.fsdp import fully_shard
+        for block in model.blocks:
+            fully_shard(block, reshard_after_forward=impl != "fsdp2_no_reshard")
+        fully_shard(model, reshard_after_forward=impl != "fsdp2_no_reshard")
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    return model, opt, True, opt
+
+
+def local_nbytes(t: torch.Tensor) -> int:
+    """Bytes this rank holds for ``t`` (a DTensor's local shard)."""
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.numel() * t.element_size()
+
+
+def full_named_params(impl: str, wrapped: nn.Module, model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter of the unwrapped ``model`` in full, by name (collective for the sharded
+    implementations)."""
+    if impl == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+
+        with FSDP1.summon_full_params(wrapped):
+            return {name: p.detach().clone() for name, p in model.named_parameters()}
+    return {name: p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for name, p in model.named_parameters()}
 
 
 def train_step(size, setup, step, rank, device):
@@ -105,7 +190,7 @@ def train_step(size, setup, step, rank, device):
     opt.zero_grad(set_to_none=set_to_none)
     loss = next_token_loss(wrapped, tokens)
     loss.backward()
-    grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in wrapped.parameters() if p.grad is not None)
+    grad_bytes = sum(local_nbytes(p.grad) for p in wrapped.parameters() if p.grad is not None)
     opt.step()
     return loss.item(), grad_bytes
 
@@ -120,17 +205,17 @@ class CollectiveCounter:
     def __enter__(self):
         world = dist.get_world_size()
         for name, factor in COLLECTIVES.items():
-            fn = self._saved[name] = getattr(dist, name)
-            setattr(dist, name, self._counting(fn, factor, world))
+            if hasattr(dist, name):  # all_gather_single / reduce_scatter_single: torch >= 2.13
+                fn = self._saved[name] = getattr(dist, name)
+                setattr(dist, name, self._counting(name, fn, factor, world))
         return self
 
-    def _counting(self, fn, factor, world):
-        def counted(tensor, *args, **kwargs):
-            t = tensor if torch.is_tensor(tensor) else args[0]
-            nbytes = t.numel() * t.element_size()
+    def _counting(self, name, fn, factor, world):
+        def counted(*args, **kwargs):
+            nbytes = full_size_bytes(name, args, kwargs)
             self.calls += 1
             self.bytes += nbytes * (factor * (world - 1) / world if factor else 1)
-            return fn(tensor, *args, **kwargs)
+            return fn(*args, **kwargs)
 
         return counted
 
@@ -139,8 +224,26 @@ class CollectiveCounter:
             setattr(dist, name, fn)
 
 
+def full_size_bytes(name: str, args, kwargs) -> int:
+    """Bytes of the tensor the ring model scales: a reduce-scatter's input, else the first."""
+    index, key = FULL_SIZE_ARG.get(name, (0, None))
+    found = args[index] if len(args) > index else kwargs.get(key) if key else next(iter(kwargs.values()))
+    if not torch.is_tensor(found):  # a list: a reduce-scatter's input chunks or an all-gather's outputs
+        return sum(t.numel() * t.element_size() for t in found)
+    return found.numel() * found.element_size()
+
+
+def held_param_bytes(wrapped: nn.Module) -> int:
+    """Bytes of parameter storage this rank holds (each storage once: flat buffers, shards)."""
+    storages = {}
+    for p in wrapped.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
 def state_bytes(local_optimizer) -> int:
-    return sum(v.numel() * v.element_size() for s in local_optimizer.state.values() for v in s.values() if torch.is_tensor(v))
+    return sum(local_nbytes(v) for s in local_optimizer.state.values() for v in s.values() if torch.is_tensor(v))
 
 
 def gather(value: float, device) -> list[float]:
@@ -154,13 +257,16 @@ def timing_rank(rank, world, args, store_path, results_path):
     device = init_rank(rank, world, store_path)
     report = {}
     for size in args.sizes:
-        setups = {impl: build(impl, make_model(size, device)) for impl in args.impls}
-        times = {impl: [] for impl in args.impls}
+        models = {impl: make_model(size, device) for impl in args.impls}
+        setups = {impl: build(impl, models[impl]) for impl in args.impls}
+        rounds_of = {impl: [] for impl in args.impls}  # timed step times, one list per round
+        overlaps = {impl: [] for impl in args.impls}
         losses, grads = {}, {}
         step_of = {impl: 0 for impl in args.impls}
         rounds = args.warmup + args.steps
         for round_index in range(0, rounds, args.turn):
             for impl in args.impls:
+                this_round = []
                 for _ in range(min(args.turn, rounds - round_index)):
                     dist.barrier()
                     start = time.perf_counter()
@@ -169,31 +275,57 @@ def timing_rank(rank, world, args, store_path, results_path):
                         torch.cuda.synchronize()
                     elapsed = max(gather(time.perf_counter() - start, device))
                     if step_of[impl] >= args.warmup:
-                        times[impl].append(elapsed)
+                        this_round.append(elapsed)
+                        stats = getattr(setups[impl][0], "backward_stats", None)
+                        if stats is not None:
+                            overlaps[impl].append(stats.overlap)
                     step_of[impl] += 1
-        ref_params = list(setups["ddp"][0].parameters()) if "ddp" in setups else None
+                if this_round:
+                    rounds_of[impl].append(this_round)
+        reference = dict(models["ddp"].named_parameters()) if "ddp" in models else {}
         for impl in args.impls:
             with CollectiveCounter() as counter:
                 train_step(size, setups[impl], step_of[impl], rank, device)
-            params = list(setups[impl][0].parameters())
-            diff = max((a - b).abs().max().item() for a, b in zip(params, ref_params)) if ref_params else float("nan")
+            named = full_named_params(impl, setups[impl][0], models[impl])
+            common = [name for name in named if name in reference]
+            exact = impl != "ideal" and common
+            diff = max((named[n] - reference[n]).abs().max().item() for n in common) if exact else float("nan")
             ddp_bytes = 0.0
             if impl in ("ddp", "torch_zero", "zero1"):  # DDP's C++ all-reduce of every gradient
-                ddp_bytes = sum(p.numel() * p.element_size() for p in params) * 2 * (world - 1) / world
+                ddp_bytes = sum(p.numel() * p.element_size() for p in named.values()) * 2 * (world - 1) / world
+            overlap = statistics.mean(gather(statistics.median(overlaps[impl]), device)) if overlaps[impl] else None
             report.setdefault(size, {})[impl] = {
-                "median_step_s": statistics.median(times[impl]),
+                "median_step_s": statistics.median(t for r in rounds_of[impl] for t in r),
+                "round_steps_s": rounds_of[impl],
+                "overlap": overlap,
                 "state_bytes": gather(state_bytes(setups[impl][3]), device),
                 "grad_bytes": gather(grads[impl], device),
                 "comm_calls_python": counter.calls,
                 "comm_bytes": counter.bytes + ddp_bytes,
                 "final_loss": losses[impl],
                 "max_param_diff_vs_ddp": diff,
-                "params": sum(p.numel() for p in params),
+                "params": sum(p.numel() for p in named.values()),
+                "param_bytes": gather(held_param_bytes(setups[impl][0]), device),
             }
-        del setups
+        del setups, models
     if rank == 0:
         Path(results_path).write_text(json.dumps(report))
     finish_rank()
+
+
+def ratios_to_ideal(rows: dict) -> None:
+    """Add each implementation's ratio to the ideal step, its exposed communication and the
+    noise of that ratio (half the spread of the per-round ratios), in place."""
+    if "ideal" not in rows:
+        return
+    ideal_rounds = [statistics.median(r) for r in rows["ideal"]["round_steps_s"]]
+    ideal = rows["ideal"]["median_step_s"]
+    for r in rows.values():
+        per_round = [statistics.median(mine) / base for mine, base in zip(r["round_steps_s"], ideal_rounds)]
+        r["vs_ideal"] = r["median_step_s"] / ideal
+        r["ratio_noise"] = (max(per_round) - min(per_round)) / 2 if per_round else 0.0
+        r["exposed_ms"] = 1e3 * (r["median_step_s"] - ideal)
+        r["exposed_share"] = (r["median_step_s"] - ideal) / r["median_step_s"]
 
 
 def memory_rank(rank, world, size, impl, store_path, results_path):
@@ -205,6 +337,44 @@ def memory_rank(rank, world, size, impl, store_path, results_path):
     peaks = gather(peak, device)
     if rank == 0:
         Path(results_path).write_text(json.dumps(peaks))
+    finish_rank()
+
+
+def peak_rss(world: int, size: str, impl: str) -> list[float]:
+    """Each rank's peak RSS over a few steps of ``impl`` alone, in a launch of its own; empty if
+    the launch fails twice (the timings already taken are worth more than this column)."""
+    for attempt in ("retrying", "leaving its peak RSS out"):
+        try:
+            return launch(memory_rank, world, size, impl)
+        except Exception as error:  # a rank crashing at exit must not lose the whole run
+            print(f"memory launch of {impl} at {size} failed ({error}); {attempt}", file=sys.stderr)
+    return []
+
+
+def profile_rank(rank, world, size, impl, store_path, results_path):
+    """Where one rank's step goes: the sharded:: regions and the largest ops, per step, and the
+    wait of each reduce in the order the flush waited on them."""
+    device = init_rank(rank, world, store_path)
+    setup = build(impl, make_model(size, device))
+    steps = 4
+    for step in range(3):
+        train_step(size, setup, step, rank, device)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for step in range(3, 3 + steps):
+            with torch.profiler.record_function("bench::step"):
+                train_step(size, setup, step, rank, device)
+    lines = []
+    for event in sorted(prof.key_averages(), key=lambda e: -e.cpu_time_total):
+        if event.key.startswith(("sharded::", "bench::")) or (event.key.startswith("aten::") and len(lines) < 24):
+            lines.append(f"{event.key:<36}{event.count / steps:>8.1f} calls{event.cpu_time_total / steps / 1e3:>10.1f} ms")
+    waits = [e.cpu_time_total / 1e3 for e in prof.events() if e.name == "sharded::wait_reduce"]
+    per_step = len(waits) // steps
+    if per_step:
+        lines.append("reduce waits in the flush, last step (ms): " + " ".join(f"{w:.1f}" for w in waits[-per_step:]))
+    texts = [None] * world
+    dist.all_gather_object(texts, "\n".join(lines))
+    if rank == 0:
+        Path(results_path).write_text(json.dumps(texts))
     finish_rank()
 
 
@@ -234,16 +404,112 @@ def launch(target, world, *args):
 
 def print_table(report, world) -> None:
     for size, rows in report.items():
+        ratios_to_ideal(rows)
         ddp_time = rows.get("ddp", {}).get("median_step_s")
-        print(f"\n{size} ({next(iter(rows.values()))['params'] / 1e6:.1f}M params), world {world}")
-        print(f"{'implementation':<38}{'step s':>8}{'vs DDP':>8}{'state MiB/rank':>22}{'grads MiB/rank':>22}"
-              f"{'peak RSS MiB':>18}{'MiB sent':>10}{'calls':>7}{'loss':>8}{'max |Δ|':>10}")
+        print(f"\n{size} ({rows[next(iter(rows))]['params'] / 1e6:.1f}M params), world {world}")
+        print(f"{'implementation':<40}{'step s':>8}{'vs DDP':>8}{'vs ideal':>10}{'± noise':>9}{'exposed ms':>12}"
+              f"{'exposed %':>10}{'overlap':>9}{'vs FSDP2':>9}{'params MiB/rank':>17}{'state MiB/rank':>18}"
+              f"{'grads MiB/rank':>18}{'peak RSS MiB':>16}{'MiB sent':>10}{'sent/M':>8}{'calls':>7}{'loss':>8}"
+              f"{'max |Δ|':>10}")
         for impl, r in rows.items():
             mib = lambda xs: "/".join(f"{x / 2**20:.1f}" for x in xs)
             ratio = f"{r['median_step_s'] / ddp_time:.2f}" if ddp_time else "-"
-            print(f"{IMPLS[impl]:<38}{r['median_step_s']:>8.3f}{ratio:>8}{mib(r['state_bytes']):>22}"
-                  f"{mib(r['grad_bytes']):>22}{mib(r.get('peak_rss', [])):>18}{r['comm_bytes'] / 2**20:>10.1f}"
+            overlap = f"{r['overlap']:.2f}" if r.get("overlap") is not None else "-"
+            ideal = (f"{r['vs_ideal']:>10.2f}{r['ratio_noise']:>9.2f}{r['exposed_ms']:>12.0f}{100 * r['exposed_share']:>9.0f}%"
+                     if "vs_ideal" in r else f"{'-':>10}{'-':>9}{'-':>12}{'-':>10}")
+            print(f"{IMPLS[impl]:<40}{r['median_step_s']:>8.3f}{ratio:>8}{ideal}{overlap:>9}{fsdp2_ratio(rows, impl):>9}"
+                  f"{mib(r.get('param_bytes', [])):>17}{mib(r['state_bytes']):>18}{mib(r['grad_bytes']):>18}"
+                  f"{mib(r.get('peak_rss', [])):>16}{r['comm_bytes'] / 2**20:>10.1f}{sent_per_model(r, world):>8.2f}"
                   f"{r['comm_calls_python']:>7}{r['final_loss']:>8.4f}{r['max_param_diff_vs_ddp']:>10.2e}")
+
+
+# the torch FSDP2 run with the same strategy as each layer-3 run
+SAME_STRATEGY = {"zero3": "fsdp2", "zero3_grad_op": "fsdp2_no_reshard", "fsdp1": "fsdp2"}
+
+
+def fsdp2_ratio(rows, impl) -> str:
+    other = rows.get(SAME_STRATEGY.get(impl, ""))
+    return f"{rows[impl]['median_step_s'] / other['median_step_s']:.2f}" if other else "-"
+
+
+def sent_per_model(row, world) -> float:
+    """Bytes sent per step in units of one ring pass over the fp32 model, (W-1)/W x 4 x params:
+    DDP's all-reduce is 2 of them, ZeRO-3 three (gather, gather again, reduce-scatter)."""
+    return row["comm_bytes"] / (4 * row["params"] * (world - 1) / world) if world > 1 else 0.0
+
+
+def zero_formula(stage: str, n: int, mixed: bool) -> float:
+    """Bytes per parameter per rank from the ZeRO paper (Adam: K = 12 bytes of fp32 state in
+    mixed precision: master, momentum, variance; 8 in fp32, where the parameter is the master)."""
+    if mixed:  # 2-byte parameters and gradients + 12 bytes of state
+        return {"DDP": 16, "ZeRO-1": 4 + 12 / n, "ZeRO-2": 2 + 14 / n, "ZeRO-3": 16 / n}[stage]
+    return {"DDP": 16, "ZeRO-1": 8 + 8 / n, "ZeRO-2": 4 + 12 / n, "ZeRO-3": 16 / n}[stage]
+
+
+def bytes_rank(rank, world, size, impls, store_path, results_path):
+    """Per-rank parameter, gradient and optimizer-state bytes after two steps of each stage."""
+    device = init_rank(rank, world, store_path)
+    held = {}
+    for impl in impls:
+        setup = build(impl, make_model(size, device))
+        for step in range(2):
+            _, grads = train_step(size, setup, step, rank, device)
+        held[impl] = {"params": gather(held_param_bytes(setup[0]), device), "grads": gather(grads, device),
+                      "state": gather(state_bytes(setup[3]), device)}
+        del setup
+    if rank == 0:
+        Path(results_path).write_text(json.dumps(held))
+    finish_rank()
+
+
+def zero_memory(size: str, worlds: list[int], out: Path) -> dict:
+    """DDP, ZeRO-1, -2, -3 bytes per parameter per rank at each world size, beside the formulas."""
+    with torch.device("meta"):
+        params = sum(p.numel() for p in make_model(size, "meta").parameters())
+    table = {world: launch(bytes_rank, world, size, list(STAGES)) for world in worlds}
+    print(f"\nbytes per parameter per rank, {size} ({params / 1e6:.1f}M params), fp32 Adam; "
+          "formula fp32 (mixed-precision paper formula)")
+    print(f"{'stage':<8}" + "".join(f"{'world ' + str(w) + ' measured':>20}{'formula':>16}" for w in worlds))
+    for impl, stage in STAGES.items():
+        cells = ""
+        for world in worlds:
+            held = table[world][impl]
+            worst = max(sum(part[r] for part in held.values()) for r in range(world)) / params
+            cells += f"{worst:>20.2f}{zero_formula(stage, world, False):>8.2f} ({zero_formula(stage, world, True):.2f})"
+        print(f"{stage:<8}{cells}")
+    plot_zero_memory(table, params, worlds, out / "zero_memory.png")
+    return {"size": size, "params": params, "per_rank_bytes": table}
+
+
+def plot_zero_memory(table, params, worlds, path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(worlds)
+    for offset, world in enumerate(worlds):
+        xs = [i + width * offset for i in range(len(STAGES))]
+        parts = {"parameters": "params", "gradients": "grads", "optimizer state": "state"}
+        base = [0.0] * len(STAGES)
+        for label, key in parts.items():
+            heights = [max(table[world][impl][key]) / params for impl in STAGES]
+            ax.bar(xs, heights, width=width, bottom=base, label=label if offset == 0 else None,
+                   color={"params": "C0", "grads": "C1", "state": "C2"}[key], alpha=1.0 - 0.35 * offset)
+            base = [b + h for b, h in zip(base, heights)]
+        ax.scatter(xs, [zero_formula(s, world, False) for s in STAGES.values()], marker="_", s=400, color="black",
+                   label="ZeRO formula (fp32 Adam)" if offset == 0 else None, zorder=3)
+        for x in xs:
+            ax.text(x, -0.9, f"N={world}", ha="center", fontsize=7)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(STAGES))], list(STAGES.values()))
+    ax.set_ylabel("bytes per parameter, largest rank")
+    ax.set_title("what each rank holds: measured (bars) against the ZeRO paper (lines)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def plot(report, path) -> None:
@@ -282,21 +548,30 @@ def main() -> None:
     parser.add_argument("--turn", type=int, default=2, help="steps each implementation takes per turn")
     parser.add_argument("--out", default="bench_out")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-implementation RSS launches")
+    parser.add_argument("--zero-worlds", type=lambda s: [int(w) for w in s.split(",") if w], default=[2, 4],
+                        help="world sizes of the DDP / ZeRO-1/2/3 bytes-per-parameter table ('' to skip)")
+    parser.add_argument("--profile", metavar="IMPL", help="profile IMPL on the first of --sizes instead")
     args = parser.parse_args()
+    if args.profile:
+        for rank, text in enumerate(launch(profile_rank, args.world, args.sizes[0], args.profile)):
+            print(f"\n--- rank {rank}: {IMPLS[args.profile]}, {args.sizes[0]}, per step ---\n{text}")
+        return
 
     started = time.time()
     report = launch(timing_rank, args.world, args)
     if not args.no_memory:
         for size, rows in report.items():
             for impl in rows:
-                rows[impl]["peak_rss"] = launch(memory_rank, args.world, size, impl)
+                if impl != "ideal":
+                    rows[impl]["peak_rss"] = peak_rss(args.world, size, impl)
     print_table(report, args.world)
     out = Path(args.out)
     out.mkdir(exist_ok=True)
+    zero = zero_memory(args.sizes[0], args.zero_worlds, out) if args.zero_worlds else None
     meta = {"world": args.world, "torch": torch.__version__, "machine": f"{platform.machine()}, {os.cpu_count()} cores",
             "backend": "nccl" if torch.cuda.is_available() else "gloo", "command": " ".join(sys.argv),
             "seconds": round(time.time() - started)}
-    (out / "bench.json").write_text(json.dumps({"meta": meta, "results": report}, indent=1))
+    (out / "bench.json").write_text(json.dumps({"meta": meta, "results": report, "zero_memory": zero}, indent=1))
     plot(report, out / "bench.png")
     print(f"\n{meta}\nwrote {out / 'bench.json'} and {out / 'bench.png'}")
 

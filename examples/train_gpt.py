@@ -1,4 +1,4 @@
-"""Train a small GPT-style byte model on Python's own standard library, with DDP or ZeRO-1/2.
+"""Train a small GPT-style byte model on Python's own standard library, with DDP or ZeRO-1/2/3.
 
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py            # what `make demo` runs
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --stage 2 --accumulate 2 --amp bf16
@@ -7,7 +7,8 @@
 
 Stages, on the same model code: ``ddp`` = DDP + AdamW; ``1`` = DDP + ``sharded.OSS(AdamW)``
 (optimizer state sharded); ``2`` = ``sharded.ShardedDataParallel`` + ``OSS`` (gradients sharded
-too). ``--stage ddp,1,2`` trains each in turn from the same weights on the same batches and
+too); ``3`` = ``sharded.fully_shard`` on every block and the model + AdamW (parameters sharded
+too). ``--stage ddp,1,2,3`` trains each in turn from the same weights on the same batches and
 compares what each rank holds at the end (a table and ``<out>/memory.png``).
 
 Checkpoints are sharded (``sharded.checkpoint``, on torch.distributed.checkpoint): every
@@ -45,7 +46,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gpt import GPT, next_token_loss  # examples/gpt.py, beside this script
-from sharded import OSS, ShardedDataParallel, ShardedGradScaler, checkpoint
+from sharded import OSS, ShardedDataParallel, ShardedGradScaler, checkpoint, fully_shard
 
 VOCAB = 256  # bytes
 
@@ -63,11 +64,16 @@ def sample(data: torch.Tensor, generator: torch.Generator, batch: int, seq: int,
     return torch.stack([data[s : s + seq + 1] for s in starts]).to(device)
 
 
-def build(stage: str, model: nn.Module, args):
+def build(stage: str, model: GPT, args):
     """(wrapped model, optimizer) for a stage."""
     hyper = dict(lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
     if stage == "ddp":
         return DDP(model), torch.optim.AdamW(model.parameters(), **hyper)
+    if stage == "3":  # bottom-up: each block is a unit, the model the unit for the rest
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        return model, torch.optim.AdamW(model.parameters(), **hyper)  # built after sharding
     optimizer = OSS(model.parameters(), torch.optim.AdamW, **hyper)
     return (DDP(model) if stage == "1" else ShardedDataParallel(model, optimizer)), optimizer
 
@@ -171,7 +177,9 @@ def crash_if_asked(step: int, crash_at: Optional[int]) -> None:
 
 
 def held_bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    """Bytes this rank holds (of a sharded DTensor: its local shard)."""
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    return sum(t.numel() * t.element_size() for t in local)
 
 
 def gather(value: int, device) -> list[int]:
@@ -213,7 +221,7 @@ def report(results: dict, out: Path) -> None:
         base = [a + h for a, h in zip(base, heights)]
     ax.set_xticks(list(x), labels)
     ax.set_ylabel("MiB held per rank")
-    ax.set_title("memory per rank by stage (ddp = DDP + AdamW, 1 = ZeRO-1, 2 = ZeRO-2)")
+    ax.set_title("memory per rank by stage (ddp = DDP + AdamW, 1 = ZeRO-1, 2 = ZeRO-2, 3 = ZeRO-3)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "memory.png", dpi=110)
@@ -222,7 +230,7 @@ def report(results: dict, out: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--stage", default="ddp,1,2", help="comma-separated: ddp, 1, 2")
+    parser.add_argument("--stage", default="ddp,1,2,3", help="comma-separated: ddp, 1, 2, 3")
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per step (no_sync)")
     parser.add_argument("--amp", choices=("off", "bf16", "fp16"), default="off")

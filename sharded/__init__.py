@@ -12,7 +12,8 @@ from . import checkpoint
 from .grad_scaler import ShardedGradScaler
 from .oss import OSS
 from .sharded_ddp import ShardedDataParallel
+from .fsdp import __getattr__  # noqa: F401  layer 3 (fully_shard, FullyShardedDataParallel...), imported on first use
 
 __version__ = "0.1.0"
 
-__all__ = ["OSS", "ShardedDataParallel", "ShardedGradScaler", "__version__"]
+__all__ = ["OSS", "ShardedDataParallel", "ShardedGradScaler", "fully_shard", "FullyShardedDataParallel", "__version__"]

@@ -62,7 +62,7 @@ def plan_broadcasts(
     tensors_by_src: Sequence[Sequence[torch.Tensor]], max_numel: int
 ) -> tuple[Bucket, ...]:
     """Buckets for sending ``tensors_by_src[r]`` from rank ``r`` to every other rank."""
-    buckets = []
+    buckets: list[Bucket] = []
     for src, tensors in enumerate(tensors_by_src):
         nonempty = [t for t in tensors if t.numel() > 0]
         for same_kind in group_by_device_and_dtype(nonempty).values():
@@ -112,7 +112,8 @@ class PendingBroadcasts:
 
     def wait(self) -> None:
         for bucket, message, in_place, work in self._in_flight:
-            work.wait()
+            with torch.profiler.record_function("sharded::wait_broadcast"):
+                work.wait()
             if self._me != bucket.src and not in_place:
                 with torch.profiler.record_function("sharded::unpack_broadcast"):
                     if bucket.flat is not None:
@@ -141,15 +142,19 @@ def start_broadcasts(
             dtype = wire_dtype_for(bucket.tensors[0].dtype, wire_dtype)
             home = _home(bucket)
             in_place = home is not None and home.dtype == dtype
-            if in_place:
-                message = home
-            elif me == bucket.src:
-                message = home.to(dtype) if home is not None else flatten(bucket.tensors, dtype)
-            else:
-                message = torch.empty(bucket.numel, dtype=dtype, device=bucket.tensors[0].device)
+            message = _message(bucket, home, dtype, sending=me == bucket.src)
             work = _comm.broadcast(message, bucket.src, group)
             in_flight.append((bucket, message, in_place, work))
     return PendingBroadcasts(me, in_flight)
+
+
+def _message(bucket: Bucket, home: Optional[torch.Tensor], dtype: torch.dtype, sending: bool) -> torch.Tensor:
+    """What travels: the bucket's own storage when it can, else a packed copy or a receive buffer."""
+    if home is not None and home.dtype == dtype:
+        return home
+    if sending:
+        return home.to(dtype) if home is not None else flatten(bucket.tensors, dtype)
+    return torch.empty(bucket.numel, dtype=dtype, device=bucket.tensors[0].device)
 
 
 def _home(bucket: Bucket) -> Optional[torch.Tensor]:

@@ -131,3 +131,54 @@ def exchange_objects(outgoing: dict[int, Any], group: ProcessGroup) -> dict[int,
             elif me == dst:
                 received[src] = recv_object(src, group)
     return received
+
+
+# ------------------------------------------------------------- tensor collectives (layer 3)
+
+
+def all_gather_into_tensor(
+    output: torch.Tensor, input: torch.Tensor, group: ProcessGroup, async_op: bool = True
+) -> Optional[dist.Work]:
+    """Gather every rank's equal-sized ``input`` into ``output``, rank after rank.
+
+    torch 2.13 renamed ``all_gather_into_tensor`` to ``all_gather_single``; whichever this torch
+    has is looked up at call time, so code that counts collectives by patching ``dist`` sees it.
+    """
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_tensor(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: ProcessGroup,
+    op: dist.ReduceOp.RedOpType,
+    async_op: bool = True,
+) -> Optional[dist.Work]:
+    """Reduce ``input`` (rank-major, ``group_size`` equal chunks) over ``group``; this rank's
+    chunk of the result lands in ``output``. Same renaming shim as :func:`all_gather_into_tensor`.
+
+    gloo implements the single-tensor form as an all-reduce of a copy of the whole input (twice
+    the bytes, plus the copy); its list form is a real reduce-scatter, measured 1.75x faster for
+    4-16 MiB on two CPU ranks, so gloo gets the input's chunks as a list.
+    """
+    if dist.get_backend(group) == dist.Backend.GLOO:
+        chunks = list(input.chunk(group_size(group)))
+        return dist.reduce_scatter(output, chunks, op=op, group=group, async_op=async_op)
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return scatter(output, input, op=op, group=group, async_op=async_op)
+
+
+def start_all_reduce(
+    tensor: torch.Tensor, group: ProcessGroup, op: dist.ReduceOp.RedOpType
+) -> Optional[dist.Work]:
+    """Asynchronous all-reduce of ``tensor`` in place; returns the work handle."""
+    return dist.all_reduce(tensor, op=op, group=group, async_op=True)
+
+
+def mean_op(dtype: torch.dtype) -> dist.ReduceOp.RedOpType:
+    """The op that averages ``dtype`` tensors in one collective: ``AVG``, which gloo and NCCL
+    support for floating point only (integers would need SUM and a division)."""
+    if not dtype.is_floating_point:
+        raise TypeError(f"averaging a {dtype} tensor in a collective is not supported")
+    return dist.ReduceOp.AVG

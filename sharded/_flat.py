@@ -7,7 +7,7 @@ one large contiguous buffer instead of many small ones.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Hashable, Iterable, Sequence
+from typing import Iterable, Sequence
 
 import torch
 
@@ -18,7 +18,7 @@ def group_by_device_and_dtype(
     tensors: Iterable[torch.Tensor],
 ) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
     """``tensors`` split by (device, dtype), keeping their order: only these can share a buffer."""
-    groups: dict[Hashable, list[torch.Tensor]] = defaultdict(list)
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
     for t in tensors:
         groups[(t.device, t.dtype)].append(t)
     return dict(groups)
@@ -80,14 +80,22 @@ def lives_in(tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> bool:
 
 def wire_dtype_for(dtype: torch.dtype, wire_dtype: torch.dtype | None) -> torch.dtype:
     """The dtype a ``dtype`` tensor travels in: ``wire_dtype`` if that is a narrower float."""
-    narrower = (
-        wire_dtype is not None
-        and dtype.is_floating_point
-        and torch.finfo(wire_dtype).bits < torch.finfo(dtype).bits
-    )
-    return wire_dtype if narrower else dtype
+    if wire_dtype is not None and dtype.is_floating_point and torch.finfo(wire_dtype).bits < torch.finfo(dtype).bits:
+        return wire_dtype
+    return dtype
 
 
 def _views(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     pieces = flat.split([t.numel() for t in tensors])
     return [piece.view(t.shape) for piece, t in zip(pieces, tensors)]
+
+
+def column_blocks(flat: torch.Tensor, rows: int, widths: Sequence[int]) -> list[torch.Tensor]:
+    """``flat`` seen as ``rows`` equal rows, cut into consecutive column blocks of ``widths``.
+
+    A rank-major collective buffer (row ``r`` is rank ``r``'s chunk) holds each tensor's shards
+    as one column block, so block ``i`` (a ``rows x widths[i]`` strided view) is everything the
+    ranks hold of tensor ``i``; one ``torch._foreach_copy_`` over the blocks converts between the
+    rank-major layout that collectives need and the tensor-major layout that compute needs.
+    """
+    return list(flat.view(rows, sum(widths)).split(list(widths), dim=1))

@@ -34,15 +34,16 @@ import functools
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, cast
 
 import torch
 import torch.distributed as dist
 
 from . import _comm
-from ._flat import plan_buckets, wire_dtype_for
+from ._reduce_pass import Fill, Pass
+from ._reduce_plan import plan_reduce_buckets
 
-__all__ = ["BackwardStats", "GradRouter", "Phase", "ReduceBucket", "plan_reduce_buckets"]
+__all__ = ["BackwardStats", "GradRouter", "Phase"]
 
 
 class Phase(enum.Enum):
@@ -51,21 +52,6 @@ class Phase(enum.Enum):
     IDLE = "idle"  # ready for a synced backward
     BACKWARD = "backward"  # reduces in flight
     REDUCED = "reduced"  # owners hold averaged gradients until step() or zero_grad()
-
-
-@dataclass(frozen=True)
-class ReduceBucket:
-    """Parameters whose gradients are reduced together to ``owner`` in one flat message."""
-
-    owner: int
-    params: tuple[torch.Tensor, ...]
-    offsets: tuple[int, ...]
-    numel: int
-    wire_dtype: torch.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.params[0].device
 
 
 @dataclass(frozen=True)
@@ -92,120 +78,6 @@ class BackwardStats:
     late_reduces: int
     peak_bucket_bytes: int
     overlap: float
-
-
-def plan_reduce_buckets(
-    params: Sequence[torch.Tensor],
-    owner_of: dict[torch.Tensor, int],
-    max_numel: int,
-    reduce_fp16: bool,
-) -> tuple[ReduceBucket, ...]:
-    """Buckets for ``params`` (given in expected gradient-ready order), in launch order.
-
-    The ready order is cut into windows of at most ``max_numel`` elements, as DDP cuts its
-    buckets; each owner's share of a window (per device and dtype) is one bucket. A bucket is
-    thus complete as soon as backward has passed its window, and reduces start early in
-    backward, even though the greedy partition scatters each owner's parameters over the whole
-    model. A parameter larger than a window has one to itself; ``max_numel <= 0`` puts every
-    parameter alone.
-    """
-    position = {p: i for i, p in enumerate(params)}
-    members: dict[tuple, list[torch.Tensor]] = {}
-    for window, run in enumerate(plan_buckets(params, max_numel)):
-        for p in run:
-            members.setdefault((window, owner_of[p], p.device, p.dtype), []).append(p)
-    buckets = [_bucket(key[1], run, reduce_fp16) for key, run in members.items()]
-    buckets.sort(key=lambda b: position[b.params[-1]])
-    return tuple(buckets)
-
-
-def _bucket(owner: int, params: Sequence[torch.Tensor], reduce_fp16: bool) -> ReduceBucket:
-    offsets, total = [], 0
-    for p in params:
-        offsets.append(total)
-        total += p.numel()
-    wire = wire_dtype_for(params[0].dtype, torch.float16 if reduce_fp16 else None)
-    return ReduceBucket(owner, tuple(params), tuple(offsets), total, wire)
-
-
-class _Fill:
-    """One bucket's buffer during one backward: gradients, then one 'used' flag per parameter."""
-
-    def __init__(self, bucket: ReduceBucket) -> None:
-        self.bucket = bucket
-        self.buffer = torch.empty(bucket.numel + len(bucket.params), dtype=bucket.wire_dtype, device=bucket.device)
-        self.written = [False] * len(bucket.params)
-
-    @property
-    def nbytes(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size()
-
-    def grad_view(self, slot: int) -> torch.Tensor:
-        p, offset = self.bucket.params[slot], self.bucket.offsets[slot]
-        return self.buffer[offset : offset + p.numel()].view(p.shape)
-
-    def add(self, slot: int, grad: torch.Tensor, scale: float) -> None:
-        """Write (first time) or add ``grad * scale`` into the slot."""
-        view = self.grad_view(slot)
-        if self.written[slot]:
-            view.add_(grad, alpha=scale)
-        else:
-            torch.mul(grad, scale, out=view)
-            self.written[slot] = True
-
-    def seal(self, scale: float, take_held_grads: bool = True) -> None:
-        """Ready the buffer to send: slots with nothing are zeroed and the used flags written.
-
-        With ``take_held_grads``, gradients the parameters hold but never announced (kept from
-        ``no_sync`` steps, or zeros left by ``zero_grad(set_to_none=False)``) are taken in first.
-        """
-        for slot, p in enumerate(self.bucket.params):
-            if self.written[slot]:
-                continue
-            if take_held_grads and p.grad is not None:
-                self.add(slot, p.grad, scale)
-                p.grad = None
-            else:
-                self.grad_view(slot).zero_()
-        flags = torch.tensor(self.written, dtype=self.bucket.wire_dtype)
-        self.buffer[self.bucket.numel :].copy_(flags, non_blocking=True)
-
-    def hand_out(self, add_to_existing: bool) -> None:
-        """On the owner: make each used slot its parameter's gradient (or add it to the one there)."""
-        used = self.buffer[self.bucket.numel :].tolist()
-        for slot, p in enumerate(self.bucket.params):
-            if used[slot] <= 0:
-                continue
-            reduced = self.grad_view(slot)
-            if add_to_existing and p.grad is not None:
-                p.grad.add_(reduced.to(p.dtype))
-            else:
-                p.grad = reduced if reduced.dtype == p.dtype else reduced.to(p.dtype)
-
-
-class _Pass:
-    """Bookkeeping of one synced backward (or one explicit reduce)."""
-
-    def __init__(self, num_params: int, buckets: Sequence[ReduceBucket], waiting: Sequence[int]) -> None:
-        self.started_at = self.flushed_at = time.perf_counter()
-        self.first_launch_at: Optional[float] = None
-        self.fills: list[Optional[_Fill]] = [None] * len(buckets)
-        self.waiting = list(waiting)  # per bucket: parameters whose expected count is not reached
-        self.arrivals = [0] * num_params
-        self.completed_at = [0] * num_params  # when each last arrived: the observed order
-        self.clock = 0
-        self.next_launch = 0
-        self.in_flight: deque[tuple[_Fill, dist.Work, bool]] = deque()
-        self.partial: set[int] = set()  # arrived, but fewer times than expected so far
-        self.late: dict[int, torch.Tensor] = {}  # arrived after the bucket left: scaled gradients
-        self.launch_clocks: list[int] = []  # arrivals seen when each bucket left from a hook
-        self.late_reduces = 0
-        self.held_bytes = 0
-        self.peak_bytes = 0
-
-    def hold(self, nbytes: int) -> None:
-        self.held_bytes += nbytes
-        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
 
 
 class GradRouter:
@@ -244,7 +116,7 @@ class GradRouter:
         self.phase = Phase.IDLE
         self.sync_enabled = True  # False: the last forward ran inside no_sync()
         self.last_backward: Optional[BackwardStats] = None
-        self._pass: Optional[_Pass] = None
+        self._pass = Pass(len(self.params), [0] * len(self.buckets))
         self._end_queued = False
         self._backward_started_at = 0.0
         # On one rank every gradient is already complete where autograd put it.
@@ -287,10 +159,10 @@ class GradRouter:
             return  # recomputation inside a backward (reentrant checkpointing)
         for p in self.params:
             if p.grad is not None:
-                self._check_reducible(p)
+                self._check_reducible(p, p.grad)
         self._end_queued = False
         if self.phase is Phase.BACKWARD:
-            self.phase, self._pass = Phase.IDLE, None
+            self.phase = Phase.IDLE
 
     def on_output_grad(self) -> None:
         """A gradient reached one of the wrapped module's outputs: backward has begun there.
@@ -314,7 +186,8 @@ class GradRouter:
     def _on_grad_ready(self, index: int, param: torch.Tensor) -> None:
         if not self.sync_enabled:
             return
-        self._check_reducible(param)
+        grad = cast(torch.Tensor, param.grad)  # a post-accumulate-grad hook: it is set
+        self._check_reducible(param, grad)
         if self.phase is not Phase.BACKWARD:
             self._begin_backward(current=param)
             self._queue_end_of_backward()
@@ -328,9 +201,9 @@ class GradRouter:
             return
         b, slot = self._location[index]
         if b < bw.next_launch:
-            self._keep_late(index, param)
+            self._keep_late(index, param, grad)
             return
-        self._fill(b).add(slot, param.grad, self._scale)
+        self._fill(b).add(slot, grad, self._scale)
         param.grad = None
         if arrivals == expected:
             bw.partial.discard(index)
@@ -345,16 +218,15 @@ class GradRouter:
                 bw.first_launch_at = time.perf_counter()
             self._launch(bw.next_launch)
 
-    def _keep_late(self, index: int, param: torch.Tensor) -> None:
+    def _keep_late(self, index: int, param: torch.Tensor, grad: torch.Tensor) -> None:
         late = self._pass.late
         if index in late:
-            late[index].add_(param.grad, alpha=self._scale)
+            late[index].add_(grad, alpha=self._scale)
         else:
-            late[index] = param.grad.mul(self._scale).to(self.buckets[self._location[index][0]].wire_dtype)
+            late[index] = grad.mul(self._scale).to(self.buckets[self._location[index][0]].wire_dtype)
         param.grad = None
 
-    def _check_reducible(self, param: torch.Tensor) -> None:
-        grad = param.grad
+    def _check_reducible(self, param: torch.Tensor, grad: torch.Tensor) -> None:
         if grad.is_sparse:
             raise RuntimeError(
                 f"rank {self.rank}: parameter {self._name(param)} got a sparse gradient; "
@@ -384,7 +256,7 @@ class GradRouter:
             )
         self.phase = Phase.BACKWARD
         waiting = [sum(1 for i in members if self._expected[i] > 0) for members in self._members]
-        self._pass = _Pass(len(self.params), self.buckets, waiting)
+        self._pass = Pass(len(self.params), waiting)
 
     def _queue_end_of_backward(self) -> None:
         if not self._end_queued:
@@ -397,11 +269,11 @@ class GradRouter:
         if self.phase is Phase.BACKWARD:
             self._flush(learn=True)
 
-    def _fill(self, b: int) -> _Fill:
+    def _fill(self, b: int) -> Fill:
         bw = self._pass
         fill = bw.fills[b]
         if fill is None:
-            fill = bw.fills[b] = _Fill(self.buckets[b])
+            fill = bw.fills[b] = Fill(self.buckets[b])
             bw.hold(fill.nbytes)
         return fill
 
@@ -414,7 +286,7 @@ class GradRouter:
         self._send(fill, is_correction=False)
         self._release_sent_buckets()
 
-    def _send(self, fill: _Fill, is_correction: bool) -> None:
+    def _send(self, fill: Fill, is_correction: bool) -> None:
         with torch.profiler.record_function("sharded::reduce_bucket"):
             work = dist.reduce(
                 fill.buffer,
@@ -435,7 +307,7 @@ class GradRouter:
         synchronise in the middle of backward.
         """
         bw = self._pass
-        still_in_flight = deque()
+        still_in_flight: deque[tuple[Fill, dist.Work, bool]] = deque()
         for entry in bw.in_flight:
             fill, work, _ = entry
             if fill.bucket.owner != self.rank and work.is_completed():
@@ -451,8 +323,9 @@ class GradRouter:
         with torch.profiler.record_function("sharded::flush_pending_reduces"):
             for index in bw.partial:  # fewer arrivals than last time: what came is complete
                 b, slot = self._location[index]
-                self._fill(b).add(slot, self.params[index].grad, self._scale)
-                self.params[index].grad = None
+                param = self.params[index]
+                self._fill(b).add(slot, cast(torch.Tensor, param.grad), self._scale)
+                param.grad = None
             for b in range(bw.next_launch, len(self.buckets)):
                 self._launch(b)
             self._reduce_late_gradients()
@@ -471,7 +344,7 @@ class GradRouter:
         needs = needs.to(_comm.comm_device(self.group))
         _comm.all_reduce(needs, self.group, dist.ReduceOp.MAX)
         for b in needs.nonzero().flatten().tolist():
-            fill = _Fill(self.buckets[b])
+            fill = Fill(self.buckets[b])
             bw.hold(fill.nbytes)
             for slot, index in enumerate(self._members[b]):
                 if index in bw.late:
@@ -480,13 +353,14 @@ class GradRouter:
             bw.late_reduces += 1
             self._send(fill, is_correction=True)
 
-    def _finish(self, fill: _Fill, work: dist.Work, is_correction: bool) -> None:
+    def _finish(self, fill: Fill, work: dist.Work, is_correction: bool) -> None:
         """Wait for a bucket's reduce; the owner takes the results, everyone else lets go."""
-        work.wait()
+        with torch.profiler.record_function("sharded::wait_reduce"):
+            work.wait()
         if fill.bucket.owner == self.rank:
             fill.hand_out(add_to_existing=is_correction)
 
-    def _learn_from(self, bw: _Pass) -> None:
+    def _learn_from(self, bw: Pass) -> None:
         """Expect as many arrivals per parameter as this backward had; re-plan once by its order."""
         self._expected = list(bw.arrivals)
         self.last_backward = BackwardStats(
@@ -500,13 +374,13 @@ class GradRouter:
             self._order_observed = True
             self._plan(self._agreed_ready_order(bw))
 
-    def _overlap_share(self, bw: _Pass) -> float:
+    def _overlap_share(self, bw: Pass) -> float:
         started = min(self._backward_started_at, bw.started_at)
         if bw.first_launch_at is None or bw.flushed_at <= started:
             return 0.0
         return (bw.flushed_at - bw.first_launch_at) / (bw.flushed_at - started)
 
-    def _agreed_ready_order(self, bw: _Pass) -> list[torch.Tensor]:
+    def _agreed_ready_order(self, bw: Pass) -> list[torch.Tensor]:
         """Rank 0's observed completion order (then the parameters it never saw), sent to all."""
         position = {p: i for i, p in enumerate(p for bucket in self.buckets for p in bucket.params)}
         never = len(self.params) + 1

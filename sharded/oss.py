@@ -66,7 +66,7 @@ class OSS(Optimizer):
         **defaults: hyperparameters for ``optim`` (``lr``, ``momentum``, ...).
     """
 
-    _partition: Optional[Partition] = None  # None only while Optimizer.__init__ adds the groups
+    _partition: Partition  # set once Optimizer.__init__ has added the initial groups
     _broadcasts: tuple = ()
 
     def __init__(
@@ -219,7 +219,7 @@ class OSS(Optimizer):
         self._check_new_group(params)
         param_group = {**param_group, "params": params}
         super().add_param_group(param_group)
-        if self._partition is None:
+        if not hasattr(self, "_partition"):  # Optimizer.__init__ adding the initial groups
             return
         self._check_same_params_on_all_ranks()
         partition = self._partition.with_group(self.param_groups[-1]["params"])

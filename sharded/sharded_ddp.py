@@ -309,11 +309,9 @@ def _check_no_sparse_gradients(module: nn.Module, rank: int) -> None:
 
 
 def _as_optimizer_list(
-    sharded_optimizer: Union[OSS, Sequence[OSS]], group: dist.ProcessGroup
+    sharded_optimizer: Union[OSS, Sequence[OSS]], group: Optional[dist.ProcessGroup]
 ) -> list[OSS]:
-    optimizers = (
-        list(sharded_optimizer) if isinstance(sharded_optimizer, (list, tuple)) else [sharded_optimizer]
-    )
+    optimizers: list = list(sharded_optimizer) if isinstance(sharded_optimizer, (list, tuple)) else [sharded_optimizer]
     if not optimizers:
         raise ValueError("ShardedDataParallel needs at least one OSS optimizer")
     for i, optimizer in enumerate(optimizers):

@@ -1,0 +1,98 @@
+"""One backward's reduction in progress: the bucket buffers being filled, and the bookkeeping of
+which gradients arrived, how often, and which came too late for their bucket.
+
+Plain state with no communication; :class:`sharded._grad_router.GradRouter` drives it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ._reduce_plan import ReduceBucket
+
+__all__ = ["Fill", "Pass"]
+
+
+class Fill:
+    """One bucket's buffer during one backward: gradients, then one 'used' flag per parameter."""
+
+    def __init__(self, bucket: ReduceBucket) -> None:
+        self.bucket = bucket
+        self.buffer = torch.empty(bucket.numel + len(bucket.params), dtype=bucket.wire_dtype, device=bucket.device)
+        self.written = [False] * len(bucket.params)
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+    def grad_view(self, slot: int) -> torch.Tensor:
+        p, offset = self.bucket.params[slot], self.bucket.offsets[slot]
+        return self.buffer[offset : offset + p.numel()].view(p.shape)
+
+    def add(self, slot: int, grad: torch.Tensor, scale: float) -> None:
+        """Write (first time) or add ``grad * scale`` into the slot."""
+        view = self.grad_view(slot)
+        if self.written[slot]:
+            view.add_(grad, alpha=scale)
+        else:
+            torch.mul(grad, scale, out=view)
+            self.written[slot] = True
+
+    def seal(self, scale: float, take_held_grads: bool = True) -> None:
+        """Ready the buffer to send: slots with nothing are zeroed and the used flags written.
+
+        With ``take_held_grads``, gradients the parameters hold but never announced (kept from
+        ``no_sync`` steps, or zeros left by ``zero_grad(set_to_none=False)``) are taken in first.
+        """
+        for slot, p in enumerate(self.bucket.params):
+            if self.written[slot]:
+                continue
+            if take_held_grads and p.grad is not None:
+                self.add(slot, p.grad, scale)
+                p.grad = None
+            else:
+                self.grad_view(slot).zero_()
+        flags = torch.tensor(self.written, dtype=self.bucket.wire_dtype)
+        self.buffer[self.bucket.numel :].copy_(flags, non_blocking=True)
+
+    def hand_out(self, add_to_existing: bool) -> None:
+        """On the owner: make each used slot its parameter's gradient (or add it to the one there)."""
+        used = self.buffer[self.bucket.numel :].tolist()
+        for slot, p in enumerate(self.bucket.params):
+            if used[slot] <= 0:
+                continue
+            reduced = self.grad_view(slot)
+            if add_to_existing and p.grad is not None:
+                p.grad.add_(reduced.to(p.dtype))
+            else:
+                p.grad = reduced if reduced.dtype == p.dtype else reduced.to(p.dtype)
+
+
+class Pass:
+    """Bookkeeping of one synced backward (or one explicit reduce)."""
+
+    def __init__(self, num_params: int, waiting: Sequence[int]) -> None:
+        self.started_at = self.flushed_at = time.perf_counter()
+        self.first_launch_at: Optional[float] = None
+        self.fills: list[Optional[Fill]] = [None] * len(waiting)
+        self.waiting = list(waiting)  # per bucket: parameters whose expected count is not reached
+        self.arrivals = [0] * num_params
+        self.completed_at = [0] * num_params  # when each last arrived: the observed order
+        self.clock = 0
+        self.next_launch = 0
+        self.in_flight: deque[tuple[Fill, dist.Work, bool]] = deque()
+        self.partial: set[int] = set()  # arrived, but fewer times than expected so far
+        self.late: dict[int, torch.Tensor] = {}  # arrived after the bucket left: scaled gradients
+        self.launch_clocks: list[int] = []  # arrivals seen when each bucket left from a hook
+        self.late_reduces = 0
+        self.held_bytes = 0
+        self.peak_bytes = 0
+
+    def hold(self, nbytes: int) -> None:
+        self.held_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)

@@ -1,0 +1,94 @@
+"""Which parameters a new unit takes, with the checks that make a wrong ``fully_shard`` call fail
+clearly (naming the parameter and the rank) instead of training wrong numbers or hanging."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ._errors import on_rank
+from ._registry import owner_of, replaced_as
+from ._unit import unit_of
+
+__all__ = ["UnitParam", "collect_unit_params", "check_not_sharded", "modules_outside_units"]
+
+SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+# (name relative to the sharded module, the parameter, every (module, attribute) holding it)
+UnitParam = tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]
+
+
+def check_not_sharded(module: nn.Module) -> None:
+    unit = unit_of(module)
+    if unit is not None:
+        raise ValueError(on_rank(f"fully_shard was already applied to this {unit.module_name}; call it once per module"))
+
+
+def collect_unit_params(module: nn.Module, ignored: set[int]) -> list[UnitParam]:
+    """The parameters of ``module`` and its submodules that no unit below owns and that are not
+    ``ignored`` (by id), in registration order, each with every slot it is registered in."""
+    found: dict[int, UnitParam] = {}
+    for prefix, sub in modules_outside_units(module):
+        for attr, param in sub._parameters.items():
+            if param is None or id(param) in ignored:
+                continue
+            name = prefix + attr
+            _check_can_take(param, name, type(module).__name__)
+            found.setdefault(id(param), (name, param, []))[2].append((sub, attr))
+    params = list(found.values())
+    _check_one_dtype(params, type(module).__name__)
+    return params
+
+
+def modules_outside_units(module: nn.Module, prefix: str = "", seen=None) -> Iterator[tuple[str, nn.Module]]:
+    """``(prefix, submodule)`` for ``module`` and every descendant not inside a lower unit."""
+    seen = set() if seen is None else seen
+    if id(module) in seen:
+        return
+    seen.add(id(module))
+    yield prefix, module
+    for name, child in module._modules.items():
+        if child is not None and unit_of(child) is None:
+            yield from modules_outside_units(child, f"{prefix}{name}.", seen)
+
+
+def _check_can_take(param: nn.Parameter, name: str, where: str) -> None:
+    owner = owner_of(param)
+    if owner is not None:
+        raise ValueError(on_rank(
+            f"fully_shard({where}): parameter {name} is already sharded by {owner.module_name}'s fully_shard, "
+            "which must have been applied to a module containing this one. Apply fully_shard bottom-up: "
+            "submodules first, then their parents, the root last"
+        ))
+    if isinstance(param, DTensor):
+        raise TypeError(on_rank(
+            f"fully_shard({where}): parameter {name} is already a DTensor; combining fully_shard with "
+            "tensor parallelism is not supported"
+        ))
+    replacement = replaced_as(param)
+    if replacement is not None:
+        raise ValueError(on_rank(
+            f"fully_shard({where}): parameter {name} is shared with {replacement}, which sharded it already. "
+            "A shared (tied) parameter must belong to one unit: call fully_shard on a module holding every "
+            "use of it (their common ancestor), not on the submodule alone"
+        ))
+    if param.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(on_rank(
+            f"fully_shard({where}): parameter {name} has dtype {param.dtype}; supported are "
+            f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}. Pass it in ignored_params to leave it unsharded"
+        ))
+
+
+def _check_one_dtype(params: list[UnitParam], where: str) -> None:
+    first: dict[torch.dtype, str] = {}
+    for name, param, _ in params:
+        first.setdefault(param.dtype, name)
+    if len(first) > 1:
+        listing = ", ".join(f"{name} is {dtype}" for dtype, name in first.items())
+        raise TypeError(on_rank(
+            f"fully_shard({where}): one unit gathers its parameters in one buffer, so they need one dtype, "
+            f"but {listing}. Shard those modules in separate fully_shard calls"
+        ))

@@ -1,0 +1,77 @@
+"""Full (unsharded) parameters on demand, outside forward and backward: FSDP1's
+``summon_full_params`` and full-tensor state dicts built on it."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ._errors import on_rank
+from ._unit import TrainingState, Unit, units_under
+
+__all__ = ["summon_full_params", "full_state_dict", "load_full_state_dict"]
+
+
+@contextlib.contextmanager
+def summon_full_params(
+    module: nn.Module, writeback: bool = True, rank0_only: bool = False, offload_to_cpu: bool = False
+) -> Iterator[None]:
+    """Collective context: inside it ``module`` (and every sharded module under it) holds full
+    parameters in their master dtype; with ``writeback`` changes made to them are copied back to
+    the shards on exit.
+
+    Args:
+        rank0_only: only rank 0 gets the full parameters (the others keep their shards);
+            cannot be combined with ``writeback``.
+        offload_to_cpu: put the full parameters on the CPU.
+    """
+    if rank0_only and writeback:
+        raise ValueError(on_rank("summon_full_params: rank0_only=True needs writeback=False (other ranks hold no full copy to write)"))
+    units = units_under(module)
+    busy = [u for u in units if u.training_state is not TrainingState.IDLE]
+    if busy:
+        raise RuntimeError(f"summon_full_params inside forward or backward ({busy[0]} is {busy[0].training_state.name})")
+    for unit in units:
+        unit.reshard()
+    device = torch.device("cpu") if offload_to_cpu else None
+    fulls = [(unit, unit.gather_full_copies(device)) for unit in units]
+    if rank0_only and dist.get_rank() != 0:
+        yield
+        return
+    for unit, copies in fulls:
+        for sp, full in zip(unit.params, copies):
+            sp.show(nn.Parameter(full, requires_grad=sp.requires_grad))
+    try:
+        yield
+    finally:
+        for unit, _ in fulls:
+            _restore_shards(unit, writeback)
+
+
+def _restore_shards(unit: Unit, writeback: bool) -> None:
+    for sp in unit.params:
+        if writeback:
+            full = sp.held_by_module()
+            with torch.no_grad():
+                sp.local_shard().copy_(sp.rows_of(full.detach()))
+        sp.show_sharded()
+
+
+def full_state_dict(module: nn.Module) -> dict[str, Any]:
+    """Collective: ``module.state_dict()`` with full tensors for the sharded parameters, on
+    every rank, under the unwrapped model's names."""
+    with summon_full_params(module, writeback=False):
+        return module.state_dict()
+
+
+def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, Any], strict: bool = True):
+    """Collective: load full tensors (or DTensors) into a sharded ``module``; each rank keeps its
+    rows. Returns what ``load_state_dict`` returns (missing and unexpected keys)."""
+    full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state_dict.items()}
+    with summon_full_params(module, writeback=True):
+        return module.load_state_dict(full, strict=strict)

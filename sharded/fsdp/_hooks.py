@@ -1,0 +1,96 @@
+"""Autograd and module-hook plumbing that tells a unit where it is in the step.
+
+* A unit's *pre-backward* is a hook on its forward outputs' autograd nodes: it fires when
+  backward reaches the unit, before any of the unit's own backward ops run.
+* Its *post-backward* is a gradient hook on the forward's inputs that fires once all of their
+  gradients are complete, i.e. when the unit's own backward ops are done.
+* Module forward pre/post hooks call the unit around the module's forward.
+
+Inputs and outputs may be nested tuples, lists and dicts of tensors; :func:`map_tensors`
+walks them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+__all__ = [
+    "install_forward_hooks",
+    "watch_input_gradients",
+    "register_pre_backward",
+    "map_tensors",
+    "tensors_in",
+    "cast_floats",
+]
+
+
+def install_forward_hooks(module: nn.Module, pre_forward: Callable, post_forward: Callable) -> None:
+    """Call ``pre_forward(args, kwargs) -> (args, kwargs)`` before ``module``'s forward (ahead
+    of other pre-hooks, so they see unsharded parameters) and ``post_forward(output) -> output``
+    after it."""
+    module.register_forward_pre_hook(lambda _m, args, kwargs: pre_forward(args, kwargs), prepend=True, with_kwargs=True)
+    module.register_forward_hook(lambda _m, _args, output: post_forward(output))
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
+    """``obj`` with every tensor inside (nested tuples, namedtuples, lists, dicts) replaced by
+    ``fn(tensor)``; anything else is kept as it is."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(map_tensors(fn, x) for x in obj))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(map_tensors(fn, x) for x in obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, map_tensors(fn, v)) for k, v in obj.items())
+    return obj
+
+
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    """Every tensor inside ``obj``, in the order :func:`map_tensors` visits them."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (tuple, list)):
+        return [t for x in obj for t in tensors_in(x)]
+    return []
+
+
+def cast_floats(obj: Any, dtype: torch.dtype) -> Any:
+    """``obj`` with its floating-point tensors cast to ``dtype``."""
+    return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, obj)
+
+
+def watch_input_gradients(callback: Callable[[], None], args: Any, kwargs: Any) -> bool:
+    """Call ``callback()`` once backward has computed the gradients of every tensor in
+    ``args``/``kwargs`` that requires grad (the module's own backward is then done); returns
+    whether there was any such tensor. A gradient hook, not an identity function: the inputs stay
+    the tensors they were, so the module may still modify them in place."""
+    needing = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
+    if needing:
+        torch.autograd.graph.register_multi_grad_hook(needing, lambda _grads: callback(), mode="all")
+    return bool(needing)
+
+
+def register_pre_backward(callback: Callable[[], None], output: Any) -> None:
+    """Call ``callback()`` when backward reaches any tensor of ``output``.
+
+    The hook sits on the tensors' autograd nodes (node pre-hooks), not on the tensors: a tensor
+    that leaves one unit and enters the next carries the next unit's input-gradient hook too, and
+    the engine runs tensor hooks before node pre-hooks, so the next unit finishes (sends its
+    gradients, frees its parameters) before this one gathers.
+    """
+    hooked: set[int] = set()
+    for tensor in tensors_in(output):
+        if not tensor.requires_grad:
+            continue
+        node = tensor.grad_fn
+        if node is None:
+            tensor.register_hook(lambda _grad: callback())
+        elif id(node) not in hooked:
+            hooked.add(id(node))
+            node.register_prehook(lambda _grads: callback())

@@ -1,0 +1,98 @@
+"""Which ranks a unit shards over (and, for hybrid sharding, replicates over), as a DeviceMesh.
+
+A 1-D mesh shards over all its ranks. A 2-D mesh ``(replicate, shard)`` shards within each row
+(a "node") and keeps the rows identical: gradients are reduce-scattered within a row, then
+averaged across rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from .. import _comm
+from ._errors import on_rank
+
+__all__ = ["MeshInfo", "resolve_mesh", "hybrid_mesh", "mesh_from_groups"]
+
+
+@dataclass(frozen=True)
+class MeshInfo:
+    """A unit's mesh and the groups, ranks and device derived from it."""
+
+    mesh: DeviceMesh
+
+    @property
+    def shard_group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group(self.mesh.ndim - 1)
+
+    @property
+    def replicate_group(self) -> Optional[dist.ProcessGroup]:
+        """The group gradients are averaged over after the reduce-scatter (hybrid only)."""
+        return self.mesh.get_group(0) if self.mesh.ndim == 2 and self.mesh.size(0) > 1 else None
+
+    @property
+    def shard_rank(self) -> int:
+        return self.mesh.get_local_rank(self.mesh.ndim - 1)
+
+    @property
+    def shard_world(self) -> int:
+        return self.mesh.size(self.mesh.ndim - 1)
+
+    @property
+    def device(self) -> torch.device:
+        """The compute device: the current CUDA device for a CUDA mesh, else the mesh's type."""
+        if self.mesh.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(self.mesh.device_type)
+
+
+def resolve_mesh(process_group: Optional[dist.ProcessGroup], mesh: Optional[DeviceMesh]) -> MeshInfo:
+    """The mesh a ``fully_shard`` call asked for: ``mesh``, or a 1-D mesh over
+    ``process_group`` (default: the whole world)."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(on_rank("fully_shard needs torch.distributed initialised: call dist.init_process_group first"))
+    if process_group is not None and mesh is not None:
+        raise ValueError(on_rank("pass process_group or mesh to fully_shard, not both"))
+    if mesh is None:
+        group = process_group or dist.group.WORLD
+        mesh = DeviceMesh.from_group(group, _device_type(group))
+    if mesh.ndim not in (1, 2):
+        raise ValueError(on_rank(f"fully_shard takes a 1-D mesh (shard) or a 2-D mesh (replicate, shard), got {mesh.ndim}-D"))
+    return MeshInfo(mesh)
+
+
+def hybrid_mesh(shard_size: int, group: Optional[dist.ProcessGroup] = None) -> DeviceMesh:
+    """A 2-D ``(replicate, shard)`` mesh over ``group`` (default: the world) whose rows are
+    ``shard_size`` consecutive ranks, e.g. the ranks of one node. Collective: every rank calls it."""
+    group = group or dist.group.WORLD
+    world = dist.get_world_size(group)
+    if shard_size < 1 or world % shard_size:
+        raise ValueError(on_rank(f"hybrid sharding needs the world size ({world}) to be a multiple of the shard size ({shard_size})"))
+    ranks = torch.tensor(dist.get_process_group_ranks(group)).view(world // shard_size, shard_size)
+    return DeviceMesh(_device_type(group), ranks, mesh_dim_names=("replicate", "shard"))
+
+
+def mesh_from_groups(shard_group: dist.ProcessGroup, replicate_group: dist.ProcessGroup) -> DeviceMesh:
+    """The 2-D ``(replicate, shard)`` mesh that FSDP1's ``process_group=(shard, replicate)``
+    pair describes. Collective over the world: every rank tells the others its shard group."""
+    mine = torch.tensor(dist.get_process_group_ranks(shard_group), device=_comm.comm_device(None))
+    rows = _comm.all_gather(mine, None)
+    unique = list({tuple(row.tolist()): None for row in rows})
+    column = dist.get_process_group_ranks(replicate_group)
+    index = dist.get_rank(shard_group)
+    strays = [row for row in unique if row[index] not in column]
+    if strays or len(unique) != len(column):
+        raise ValueError(on_rank("process_group=(shard_group, replicate_group): the groups do not form a grid of ranks"))
+    unique.sort(key=lambda row: column.index(row[index]))
+    return DeviceMesh.from_group(
+        [replicate_group, shard_group], _device_type(shard_group), mesh=torch.tensor(unique), mesh_dim_names=("replicate", "shard")
+    )
+
+
+def _device_type(group: dist.ProcessGroup) -> str:
+    return "cuda" if dist.get_backend(group) == dist.Backend.NCCL else "cpu"

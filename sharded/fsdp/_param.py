@@ -1,0 +1,190 @@
+"""One parameter of a unit: its sharded DTensor (what the module holds at rest) and its
+unsharded tensor (what forward and backward compute with).
+
+Dim 0 is cut as ``torch.chunk`` cuts it (``ceil(rows / world)`` rows per rank, the last ranks
+holding fewer or none), which is the layout DTensor's ``Shard(0)`` describes; internally every
+rank's slot is padded to the full chunk size so that collectives move equal sizes. Users never
+see the padding: the DTensor's global shape is the parameter's shape. A 0-dim parameter cannot
+be cut, so it is replicated: every slot holds the whole value.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+
+__all__ = ["ShardGeometry", "ShardedParam"]
+
+
+@dataclass(frozen=True)
+class ShardGeometry:
+    """Where a parameter of ``shape`` lives across ``world`` shards (pure arithmetic)."""
+
+    shape: torch.Size
+    world: int
+
+    @property
+    def replicated(self) -> bool:
+        return len(self.shape) == 0
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def row_numel(self) -> int:
+        return 1 if self.replicated else math.prod(self.shape[1:])
+
+    @property
+    def rows_per_shard(self) -> int:
+        return 1 if self.replicated else -(-self.shape[0] // self.world)
+
+    @property
+    def slot_numel(self) -> int:
+        """Elements in each rank's (padded) slot."""
+        return self.rows_per_shard * self.row_numel
+
+    def rows_held_by(self, rank: int) -> int:
+        """Rows of the real (unpadded) parameter in ``rank``'s slot."""
+        if self.replicated:
+            return 1
+        return max(0, min(self.rows_per_shard, self.shape[0] - rank * self.rows_per_shard))
+
+    def stride(self) -> tuple[int, ...]:
+        """The contiguous stride of the full parameter."""
+        strides, step = [], 1
+        for size in reversed(self.shape):
+            strides.append(step)
+            step *= size
+        return tuple(reversed(strides))
+
+
+def placements_for(geometry: ShardGeometry, mesh: DeviceMesh) -> tuple[Placement, ...]:
+    """``Shard(0)`` on the last mesh dim (replicated on an outer one, if any); 0-dim: replicated."""
+    if geometry.replicated:
+        return tuple(Replicate() for _ in range(mesh.ndim))
+    return tuple(Replicate() for _ in range(mesh.ndim - 1)) + (Shard(0),)
+
+
+class ShardedParam:
+    """A parameter of one unit, in its two forms.
+
+    ``sharded`` is an ``nn.Parameter`` wrapping a DTensor whose local tensor is this rank's rows,
+    a view of the unit's flat shard buffer: the object the module holds at rest, the optimizer
+    steps and checkpoints see. ``unsharded`` is a plain ``nn.Parameter`` viewing the unit's
+    gathered buffer: the module holds it while it computes, and autograd accumulates its
+    ``.grad``, which the unit then reduce-scatters into ``sharded.grad``.
+
+    A parameter registered under several names (tied weights) has one ``ShardedParam`` with
+    several ``slots``; all of them are switched together.
+    """
+
+    def __init__(
+        self,
+        fqn: str,
+        slots: Sequence[tuple[nn.Module, str]],
+        geometry: ShardGeometry,
+        mesh: DeviceMesh,
+        shard_rank: int,
+    ) -> None:
+        self.fqn = fqn
+        self.slots = list(slots)
+        self.geometry = geometry
+        self.shard_rank = shard_rank
+        self._mesh = mesh
+        self._placements = placements_for(geometry, mesh)
+        self.sharded: Optional[nn.Parameter] = None
+        self.unsharded: Optional[nn.Parameter] = None
+        # the gradient summed locally while gradient sync is off (no_sync), in the reduce dtype
+        self.unsynced_grad: Optional[torch.Tensor] = None
+
+    # ----------------------------------------------------------------------- sharded form
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.sharded.requires_grad
+
+    def local_part(self, slot: torch.Tensor) -> torch.Tensor:
+        """This rank's real rows inside its padded ``slot`` (a 1-D piece of a flat buffer)."""
+        g = self.geometry
+        if g.replicated:
+            return slot.view(())
+        rows = slot.view(g.rows_per_shard, *g.shape[1:])
+        return rows[: g.rows_held_by(self.shard_rank)]
+
+    def rows_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a full-shape tensor (the whole of a replicated one)."""
+        g = self.geometry
+        if g.replicated:
+            return full
+        start = self.shard_rank * g.rows_per_shard
+        return full[start : start + g.rows_held_by(self.shard_rank)]
+
+    def as_dtensor(self, local: torch.Tensor) -> DTensor:
+        """``local`` (this rank's rows) as a DTensor of the parameter's global shape."""
+        g = self.geometry
+        return DTensor.from_local(
+            local, self._mesh, self._placements, run_check=False, shape=g.shape, stride=g.stride()
+        )
+
+    def attach_shard(self, slot: torch.Tensor, requires_grad: bool) -> None:
+        """Make the sharded parameter's local tensor a view of ``slot``.
+
+        The first call creates the parameter; later calls (after ``to_empty`` or a dtype change
+        gave it new storage) keep the same Python object, which an optimizer may already hold,
+        and carry its gradient and attributes over.
+        """
+        fresh = nn.Parameter(self.as_dtensor(self.local_part(slot)), requires_grad=requires_grad)
+        if self.sharded is None:
+            self.sharded = fresh
+            return
+        fresh.grad = self.sharded.grad
+        fresh.__dict__.update(self.sharded.__dict__)
+        torch.utils.swap_tensors(self.sharded, fresh)
+
+    def local_shard(self) -> torch.Tensor:
+        """The sharded parameter's current local tensor."""
+        with torch.no_grad():
+            return self.sharded.to_local()
+
+    # ---------------------------------------------------------------- what modules hold
+
+    def show(self, tensor: nn.Parameter) -> None:
+        """Register ``tensor`` under every name this parameter has."""
+        for module, name in self.slots:
+            module._parameters[name] = tensor
+
+    def show_sharded(self) -> None:
+        self.show(self.sharded)
+
+    def show_unsharded(self) -> None:
+        self.show(self.unsharded)
+
+    def held_by_module(self) -> object:
+        """What the first slot holds now (a user may have replaced the parameter)."""
+        module, name = self.slots[0]
+        return module._parameters.get(name)
+
+    # -------------------------------------------------------------------- gradients
+
+    def take_unsharded_grad(self, dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """The full gradient this rank has for the parameter so far (the unsharded ``.grad`` plus
+        what was accumulated with sync off), in ``dtype``; clears both."""
+        grad = self.unsharded.grad if self.unsharded is not None else None
+        if self.unsharded is not None:
+            self.unsharded.grad = None
+        total, self.unsynced_grad = self.unsynced_grad, None
+        if grad is None:
+            return total
+        grad = grad.to(dtype)
+        return grad if total is None else total.add_(grad)
+
+    def keep_unsynced(self, dtype: torch.dtype) -> None:
+        """Move the unsharded ``.grad`` into the local accumulator (sync is off)."""
+        self.unsynced_grad = self.take_unsharded_grad(dtype)

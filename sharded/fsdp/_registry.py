@@ -1,0 +1,76 @@
+"""Which tensors ``fully_shard`` took: the sharded parameters each unit owns, and the original
+parameters it replaced.
+
+The originals matter because an optimizer built *before* sharding still holds them: they no
+longer take part in forward, get no gradient, and the optimizer would silently train nothing.
+A global optimizer step pre-hook turns that into a clear error at the first step.
+Identity-keyed weak maps, so nothing here keeps a tensor alive.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Optional
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+import torch.distributed as dist
+
+__all__ = ["register_sharded", "owner_of", "retire", "replaced_as", "install_optimizer_guard"]
+
+_owners: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+_retired: dict[int, tuple[weakref.ref, Any]] = {}
+_guard_lock = threading.Lock()
+_guard_installed = False
+
+
+def register_sharded(param: torch.Tensor, unit: Any) -> None:
+    """Record that ``unit`` owns the sharded parameter ``param``."""
+    _owners[id(param)] = unit
+
+
+def owner_of(param: torch.Tensor) -> Optional[Any]:
+    """The unit owning ``param`` if it is a sharded parameter of one."""
+    unit = _owners.get(id(param))
+    return unit if unit is not None and any(sp.sharded is param for sp in unit.params) else None
+
+
+def retire(original: torch.Tensor, unit: Any, replacement: Any) -> None:
+    """Record that ``original`` was replaced by ``replacement`` (a ShardedParam of ``unit``)."""
+    key = id(original)
+    _retired[key] = (weakref.ref(original, lambda _ref: _retired.pop(key, None)), (unit.module_name, replacement))
+
+
+def replaced_as(param: torch.Tensor) -> Optional[str]:
+    """What replaced ``param``, if ``fully_shard`` replaced it: its name (the full path once the
+    model has run a forward) and the module whose fully_shard took it."""
+    entry = _retired.get(id(param))
+    if entry is None or entry[0]() is not param:
+        return None
+    module_name, replacement = entry[1]
+    return f"{replacement.fqn} (taken by fully_shard({module_name}))"
+
+
+def install_optimizer_guard() -> None:
+    """Make every optimizer check, before each step, that it holds no replaced parameter."""
+    global _guard_installed
+    with _guard_lock:
+        if not _guard_installed:
+            register_optimizer_step_pre_hook(_refuse_replaced_params)
+            _guard_installed = True
+
+
+def _refuse_replaced_params(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+    if not _retired:
+        return
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            replacement = replaced_as(param)
+            if replacement is not None:
+                rank = dist.get_rank() if dist.is_initialized() else 0
+                raise RuntimeError(
+                    f"rank {rank}: {type(optimizer).__name__} holds parameter {replacement} as it was before "
+                    "sharding; it gets no gradient, so this optimizer would train nothing. "
+                    "Build the optimizer after fully_shard / FullyShardedDataParallel, from model.parameters()"
+                )

@@ -1,0 +1,144 @@
+"""What the outermost unit of a model does for all of them.
+
+The first unit whose forward runs becomes the root of every unit below it (lazily, as in FSDP2:
+only then is the whole tree known). The root names parameters by their full paths, checks that
+every rank built the same model before the first collective can hang on a mismatch, records the
+order units run in (to prefetch the next one's all-gather), and owns the end of backward: one
+autograd-engine callback, queued when backward first reaches any unit, that sends what is left,
+waits for every gradient in flight, and returns the units to rest.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .._checks import check_same_across_ranks
+from ._collectives import Reduction
+from ._errors import on_rank
+from ._unit import ShardState, TrainingState, Unit, units_under
+
+__all__ = ["Root"]
+
+logger = logging.getLogger(__name__)
+
+# Reductions allowed in flight before the oldest is waited for: bounds the memory their send
+# buffers hold while still letting a reduce-scatter overlap the next unit's backward.
+MAX_REDUCTIONS_IN_FLIGHT = 2
+
+
+class Root:
+    """The model-wide state of one forward/backward, held by the outermost unit."""
+
+    def __init__(self, unit: Unit, units: list[Unit]) -> None:
+        self.unit = unit
+        self.units = units
+        self.in_backward = False
+        self.forward_order: list[Unit] = []
+        self._position: dict[Unit, int] = {}
+        self._this_forward: dict[Unit, None] = {}
+        self._reductions: list[Reduction] = []
+
+    @classmethod
+    def claim(cls, unit: Unit) -> "Root":
+        """Make ``unit`` the root of every unit in its module's subtree (collective)."""
+        units = units_under(unit.module)
+        busy = [u for u in units if u.training_state is not TrainingState.IDLE]
+        if busy:
+            raise RuntimeError(f"{busy[0]} is in {busy[0].training_state.name} while {unit} starts its first forward as the root")
+        root = cls(unit, units)
+        for u in units:
+            u.root = root
+        root._name_parameters(unit.module)
+        root._check_same_across_ranks()
+        logger.debug("%s is the root of %d units", unit, len(units))
+        return root
+
+    def _name_parameters(self, module: nn.Module) -> None:
+        names = {id(p): name for name, p in module.named_parameters()}
+        for u in self.units:
+            for sp in u.params:
+                sp.fqn = names.get(id(sp.sharded), sp.fqn)
+
+    def _check_same_across_ranks(self) -> None:
+        named = [(sp.fqn, sp.sharded) for u in self.units for sp in u.params]
+        info = self.unit.mesh_info
+        groups = [info.shard_group] + ([info.replicate_group] if info.replicate_group is not None else [])
+        try:
+            for group in groups:
+                check_same_across_ranks(named, group, "fully_shard parameters")
+        except ValueError as mismatch:
+            raise ValueError(on_rank(str(mismatch))) from mismatch
+
+    # ------------------------------------------------------------------------ forward
+
+    def begin_forward(self) -> None:
+        self._this_forward = {}
+
+    def record_forward(self, unit: Unit) -> None:
+        self._this_forward.setdefault(unit)
+
+    def end_forward(self, grad_enabled: bool) -> None:
+        """Remember this forward's order; free whatever no backward will need."""
+        self.forward_order = list(self._this_forward)
+        self._position = {u: i for i, u in enumerate(self.forward_order)}
+        for u in self.units:
+            unused_prefetch = u is not self.unit and not u.awaiting_backward and u.reshard_after_forward
+            if not grad_enabled or (unused_prefetch and u.shard_state is not ShardState.SHARDED):
+                u.reshard()
+
+    def prefetch_forward(self, unit: Unit) -> None:
+        """Start the all-gather of the unit(s) to run after ``unit``."""
+        targets = unit.forward_prefetch if unit.forward_prefetch is not None else self._neighbour(unit, +1)
+        for target in targets:
+            target.unshard(async_op=True)
+
+    def prefetch_backward(self, unit: Unit) -> None:
+        """Start the all-gather of the unit(s) whose backward comes after ``unit``'s."""
+        if unit.backward_prefetch is not None:
+            targets = unit.backward_prefetch
+        else:
+            targets = [u for u in self._neighbour(unit, -1) if u.awaiting_backward]
+        for target in targets:
+            if target.training_state is not TrainingState.POST_BACKWARD:
+                target.unshard(async_op=True)
+
+    def _neighbour(self, unit: Unit, step: int) -> list[Unit]:
+        position: Optional[int] = self._position.get(unit)
+        if position is None or not 0 <= position + step < len(self.forward_order):
+            return []
+        return [self.forward_order[position + step]]
+
+    # ----------------------------------------------------------------------- backward
+
+    def begin_backward(self) -> None:
+        """Queue the end-of-backward callback once per backward."""
+        if not self.in_backward:
+            self.in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def add_reduction(self, reduction: Reduction) -> None:
+        for older in self._reductions:
+            older.advance()
+        self._reductions.append(reduction)
+        while len(self._reductions) > MAX_REDUCTIONS_IN_FLIGHT:
+            self._reductions.pop(0).finish()
+
+    def _finish_backward(self) -> None:
+        try:
+            for u in self.units:
+                if u.needs_post_backward:
+                    u.post_backward()
+            while self._reductions:
+                self._reductions.pop(0).finish()
+            for streams in {u.streams for u in self.units}:
+                streams.compute_after_reduce_scatter()
+                if any(u.config.offloads for u in self.units):
+                    streams.host_waits(streams.record())  # gradients copied to the CPU
+            for u in self.units:
+                u.finish_step()
+        finally:
+            self.in_backward = False

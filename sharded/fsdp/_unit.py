@@ -1,0 +1,287 @@
+"""The unit: the parameters one ``fully_shard`` call groups, communicated together.
+
+A unit all-gathers its shards before its module computes and frees the gathered parameters
+after; it reduce-scatters its gradients as soon as its backward is done. Two enums say where it
+is, instead of a scatter of booleans: :class:`ShardState` (what memory it holds) and
+:class:`TrainingState` (where in the step it is). What concerns the whole model (lazy set-up,
+execution order, prefetching, the end of backward) belongs to its :class:`~._root.Root`.
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ._collectives import PendingGather, start_all_gather, start_reduce_scatter
+from ._hooks import cast_floats, register_pre_backward, watch_input_gradients
+from ._mesh import MeshInfo
+from ._param import ShardedParam
+from ._storage import UnitStorage
+from ._streams import CommStreams
+from .policies import BackwardPrefetch, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+__all__ = ["ShardState", "TrainingState", "UnitConfig", "Unit", "unit_of", "units_under"]
+
+_UNITS: "weakref.WeakKeyDictionary[nn.Module, Unit]" = weakref.WeakKeyDictionary()
+_STREAMS: dict[torch.device, CommStreams] = {}
+
+
+class ShardState(enum.Enum):
+    SHARDED = enum.auto()  # only this rank's shards; the module shows DTensor parameters
+    GATHERING = enum.auto()  # an all-gather is in flight
+    UNSHARDED = enum.auto()  # full parameters in place; the module shows them
+
+
+class TrainingState(enum.Enum):
+    IDLE = enum.auto()
+    FORWARD = enum.auto()
+    PRE_BACKWARD = enum.auto()  # backward reached the unit; its own backward ops are running
+    POST_BACKWARD = enum.auto()  # its backward is done and its gradients are on their way
+
+
+@dataclass(frozen=True)
+class UnitConfig:
+    """What ``fully_shard`` was asked for."""
+
+    mp_policy: MixedPrecisionPolicy
+    offload_policy: Optional[OffloadPolicy]
+    reshard_after_forward: bool
+
+    @property
+    def offloads(self) -> bool:
+        return isinstance(self.offload_policy, CPUOffloadPolicy)
+
+
+def unit_of(module: nn.Module) -> Optional["Unit"]:
+    """The unit ``fully_shard(module)`` made, if any."""
+    return _UNITS.get(module)
+
+
+def units_under(module: nn.Module) -> list["Unit"]:
+    """The units of ``module`` and its submodules, outermost first."""
+    found = [unit_of(m) for m in module.modules()]
+    return [u for u in found if u is not None]
+
+
+class Unit:
+    """One ``fully_shard`` call's parameters, with their collectives and lifecycle.
+
+    Settings users change through the module's methods: ``reshard_after_forward``,
+    ``reshard_after_backward``, ``requires_gradient_sync``, explicit ``forward_prefetch`` /
+    ``backward_prefetch`` lists and ``backward_prefetch_timing``.
+    """
+
+    def __init__(self, module: nn.Module, params: Sequence[ShardedParam], mesh_info: MeshInfo, config: UnitConfig) -> None:
+        self.module = module
+        self.module_name = type(module).__name__
+        self.params = list(params)
+        self.mesh_info = mesh_info
+        self.config = config
+        self.device = mesh_info.device
+        self.storage = UnitStorage(
+            self.params,
+            mesh_info.shard_world,
+            self.device,
+            offload_to_cpu=config.offloads,
+            pin_memory=config.offloads and config.offload_policy.pin_memory,
+            unsharded_dtype=config.mp_policy.param_dtype,
+        )
+        if self.device not in _STREAMS:
+            _STREAMS[self.device] = CommStreams(self.device)
+        self.streams = _STREAMS[self.device]
+        self.shard_state = ShardState.SHARDED
+        self.training_state = TrainingState.IDLE
+        self.root = None  # the Root of the model this unit runs in, set at the first forward
+        self.reshard_after_forward = config.reshard_after_forward
+        self.reshard_after_backward = True
+        self.requires_gradient_sync = True
+        self.forward_prefetch: Optional[list[Unit]] = None
+        self.backward_prefetch: Optional[list[Unit]] = None
+        self.backward_prefetch_timing: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE
+        self._gather: Optional[PendingGather] = None
+        self.awaiting_backward = False  # ran a grad-enabled forward whose backward is not finished
+        self._open_forward_calls = 0  # grad-enabled forward calls whose inputs' gradients are pending
+        self._sync_this_backward = True
+        _UNITS[module] = self
+
+    def __repr__(self) -> str:
+        return f"fully_shard({self.module_name}) on rank {dist.get_rank()}"
+
+    @property
+    def reduce_dtype(self) -> torch.dtype:
+        mp = self.config.mp_policy
+        return mp.reduce_dtype or mp.param_dtype or self.storage.dtype
+
+    # ------------------------------------------------------------------ communication
+
+    def unshard(self, async_op: bool = False) -> None:
+        """Start gathering the full parameters (if not yet); unless ``async_op``, wait for them."""
+        if self.shard_state is ShardState.SHARDED:
+            self._start_gather()
+        if not async_op:
+            self.wait_for_unshard()
+
+    def _start_gather(self) -> None:
+        self.storage.ensure_shards_current(where=repr(self))
+        self.storage.prepare_unsharded()
+        if not self.storage.aliases_shards and self.storage.shard_numel:
+            self.streams.all_gather_after_compute()  # e.g. the optimizer step wrote the shards
+            with self.streams.on_all_gather():
+                self._gather = start_all_gather(
+                    self.storage.sharded_flat,
+                    self.storage.unsharded_dtype,
+                    self.device,
+                    self.mesh_info.shard_group,
+                    self.mesh_info.shard_world,
+                )
+        self.shard_state = ShardState.GATHERING
+
+    def wait_for_unshard(self) -> None:
+        """Finish an all-gather in flight and show the full parameters to the module."""
+        if self.shard_state is not ShardState.GATHERING:
+            return
+        if self._gather is not None:
+            with self.streams.on_all_gather():
+                gathered = self._gather.wait()
+                self.storage.allocate_unsharded()
+                self.storage.copy_out(gathered)
+                ready = self.streams.record()
+            self._gather = None
+            self.streams.compute_waits(ready)
+        for sp in self.params:
+            sp.unsharded.requires_grad_(sp.requires_grad)
+            sp.show_unsharded()
+        self.shard_state = ShardState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Show the sharded parameters again and free the gathered ones."""
+        if self.shard_state is ShardState.SHARDED:
+            return
+        self.wait_for_unshard()
+        for sp in self.params:
+            sp.show_sharded()
+        self.streams.all_gather_after_compute()
+        self.storage.free_unsharded()
+        self.shard_state = ShardState.SHARDED
+
+    # ------------------------------------------------------------------------ forward
+
+    def pre_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        root = self.root
+        if root.in_backward:  # activation checkpointing recomputes this forward during backward
+            self.unshard()
+            return args, kwargs
+        if root.unit is self:
+            root.begin_forward()
+        self.training_state = TrainingState.FORWARD
+        root.record_forward(self)
+        self.unshard(async_op=True)
+        root.prefetch_forward(self)
+        self.wait_for_unshard()
+        mp = self.config.mp_policy
+        if mp.param_dtype is not None and mp.cast_forward_inputs:
+            args, kwargs = cast_floats((args, kwargs), mp.param_dtype)
+        if torch.is_grad_enabled():
+            self.awaiting_backward = True
+            self._sync_this_backward = self.requires_gradient_sync
+            self._open_forward_calls += watch_input_gradients(self._on_input_gradients, args, kwargs)
+        return args, kwargs
+
+    def post_forward(self, output: Any) -> Any:
+        root = self.root
+        if root.in_backward:
+            return output
+        grad_enabled = torch.is_grad_enabled()
+        keep = grad_enabled and (root.unit is self or not self.reshard_after_forward)
+        if not keep:
+            self.reshard()
+        self.training_state = TrainingState.IDLE
+        if grad_enabled:
+            register_pre_backward(self.pre_backward, output)
+        if self.config.mp_policy.output_dtype is not None:
+            output = cast_floats(output, self.config.mp_policy.output_dtype)
+        if root.unit is self:
+            root.end_forward(grad_enabled)
+        return output
+
+    # ----------------------------------------------------------------------- backward
+
+    def pre_backward(self) -> None:
+        self.root.begin_backward()
+        if self.training_state is TrainingState.PRE_BACKWARD:
+            return
+        self.training_state = TrainingState.PRE_BACKWARD
+        self.unshard(async_op=True)
+        if self.backward_prefetch_timing is BackwardPrefetch.BACKWARD_PRE:
+            self.root.prefetch_backward(self)
+        self.wait_for_unshard()
+
+    def _on_input_gradients(self) -> None:
+        if self._open_forward_calls > 0:
+            self._open_forward_calls -= 1
+            if self._open_forward_calls == 0 and self.training_state is TrainingState.PRE_BACKWARD:
+                self.post_backward()
+
+    @property
+    def needs_post_backward(self) -> bool:
+        """At the end of backward: backward reached the unit but its gradients were not sent; or
+        some arrived after they were sent (a module output that does not depend on its inputs can
+        be differentiated after them); or it ran a grad-enabled forward that backward never
+        reached (every rank then sends zeros alike)."""
+        if self.training_state is TrainingState.PRE_BACKWARD:
+            return True
+        if self.training_state is TrainingState.POST_BACKWARD:
+            return any(sp.unsharded is not None and sp.unsharded.grad is not None for sp in self.params)
+        return self.awaiting_backward
+
+    def post_backward(self) -> None:
+        """Send the unit's gradients (or keep them locally with sync off), then reshard."""
+        self.training_state = TrainingState.POST_BACKWARD
+        trainable = [sp for sp in self.params if sp.requires_grad]
+        if trainable and self._sync_this_backward:
+            grads = [sp.take_unsharded_grad(self.reduce_dtype) for sp in trainable]
+            self.root.add_reduction(
+                start_reduce_scatter(
+                    trainable,
+                    grads,
+                    self.reduce_dtype,
+                    self.device,
+                    self.mesh_info.shard_group,
+                    self.mesh_info.shard_world,
+                    self.mesh_info.replicate_group,
+                    self.streams,
+                )
+            )
+        else:
+            for sp in trainable:
+                sp.keep_unsynced(self.reduce_dtype)
+        if self.reshard_after_backward:
+            self.reshard()
+        if self.backward_prefetch_timing is BackwardPrefetch.BACKWARD_POST:
+            self.root.prefetch_backward(self)
+
+    def finish_step(self) -> None:
+        """End of backward: every gradient has landed."""
+        if self.reshard_after_backward:
+            self.reshard()
+        self.training_state = TrainingState.IDLE
+        self.awaiting_backward = False
+        self._open_forward_calls = 0
+
+    # ------------------------------------------------------------------ full parameters
+
+    def gather_full_copies(self, device: Optional[torch.device] = None) -> list[torch.Tensor]:
+        """Collective: fresh full copies of the parameters in the shards' own dtype."""
+        self.storage.ensure_shards_current(where=repr(self))
+        storage = self.storage
+        pending = start_all_gather(
+            storage.sharded_flat, storage.dtype, self.device, self.mesh_info.shard_group, self.mesh_info.shard_world
+        )
+        fulls = storage.full_copies(pending.wait())
+        return [full.to(device) for full in fulls] if device is not None else fulls

@@ -1,0 +1,292 @@
+"""``FullyShardedDataParallel``: the FSDP1 / fairscale-shaped wrapper, built on ``fully_shard``.
+
+Code written against ``torch.distributed.fsdp.FullyShardedDataParallel`` or fairscale's FSDP
+keeps working: the same constructor arguments (``fsdp_auto_wrap_policy`` too), ``.module``,
+``no_sync()``, ``clip_grad_norm_()``, ``summon_full_params()``, and full state dicts under the
+unwrapped model's names. Underneath, each unit is an ordinary ``fully_shard`` unit, so the
+parameters are the original ones (always ``use_orig_params=True``), sharded as DTensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from .. import _comm
+from ._collect import modules_outside_units
+from ._errors import on_rank
+from ._full_params import full_state_dict, load_full_state_dict, summon_full_params
+from ._grad_norm import clip_grad_norm_
+from ._mesh import MeshInfo, hybrid_mesh, mesh_from_groups, resolve_mesh
+from ._unit import units_under
+from .api import fully_shard
+from .policies import BackwardPrefetch, CPUOffloadPolicy, MixedPrecisionPolicy
+from .wrap import as_wrap_policy, modules_to_wrap
+
+__all__ = ["FullyShardedDataParallel", "ShardingStrategy", "CPUOffload", "MixedPrecision"]
+
+logger = logging.getLogger(__name__)
+
+
+class ShardingStrategy(enum.Enum):
+    """What each rank keeps (FSDP1's names)."""
+
+    FULL_SHARD = enum.auto()  # ZeRO-3: parameters freed after forward, gathered again for backward
+    SHARD_GRAD_OP = enum.auto()  # ZeRO-2 communication: parameters kept from forward to backward
+    NO_SHARD = enum.auto()  # DDP: every rank keeps everything, gradients all-reduced
+    HYBRID_SHARD = enum.auto()  # FULL_SHARD within a node, replicated across nodes
+    _HYBRID_SHARD_ZERO2 = enum.auto()  # SHARD_GRAD_OP within a node, replicated across nodes
+
+
+@dataclass(frozen=True)
+class CPUOffload:
+    """``offload_params=True``: shards, gradients and the optimizer step live on the CPU."""
+
+    offload_params: bool = False
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """FSDP1's mixed precision: compute in ``param_dtype``, reduce in ``reduce_dtype`` (default:
+    ``param_dtype``), buffers cast to ``buffer_dtype``; sharded masters keep their dtype."""
+
+    param_dtype: Optional[torch.dtype] = None
+    reduce_dtype: Optional[torch.dtype] = None
+    buffer_dtype: Optional[torch.dtype] = None
+    cast_forward_inputs: bool = False
+    cast_root_forward_inputs: bool = True
+
+
+ProcessGroups = Union[None, dist.ProcessGroup, tuple]
+
+
+class FullyShardedDataParallel(nn.Module):
+    """Shard ``module``'s parameters, gradients and optimizer state over the ranks (ZeRO-3).
+
+    ``auto_wrap_policy`` picks the submodules that become units of their own (each gathered and
+    freed on its own); the root module becomes the unit for what is left. Build the optimizer
+    after wrapping, from ``model.parameters()``.
+
+    Args:
+        module: the model.
+        process_group: the ranks to shard over; for hybrid strategies a
+            ``(shard_group, replicate_group)`` pair (or give ``device_mesh``).
+        sharding_strategy: a :class:`ShardingStrategy` (default ``FULL_SHARD``).
+        cpu_offload: :class:`CPUOffload`.
+        auto_wrap_policy: an FSDP1 policy callable, a ``ModuleWrapPolicy`` or a set of module
+            classes (see :mod:`sharded.fsdp.wrap`); ``fsdp_auto_wrap_policy`` is fairscale's name.
+        backward_prefetch: ``BackwardPrefetch.BACKWARD_PRE`` / ``BACKWARD_POST`` / ``None``.
+        mixed_precision: :class:`MixedPrecision`.
+        ignored_modules: modules whose parameters are left unsharded and unsynchronised.
+        param_init_fn: materialises meta-device modules unit by unit (called on each submodule
+            with meta tensors); without it such modules get ``to_empty`` + ``reset_parameters()``.
+        device_id: the compute device to move the module to first.
+        sync_module_states: broadcast parameters and buffers from rank 0 before sharding.
+        device_mesh: a 2-D ``(replicate, shard)`` mesh for the hybrid strategies.
+        forward_prefetch, limit_all_gathers, use_orig_params: accepted for compatibility; the
+            next unit is always prefetched in forward, at most one unit ahead, and parameters
+            are always the original ones.
+        reshard_after_forward, move_params_to_cpu, compute_dtype, fp32_reduce_scatter, and
+            ``mixed_precision=True``: fairscale's spellings of ``SHARD_GRAD_OP`` (when
+            ``False``), ``CPUOffload`` and ``MixedPrecision(compute_dtype or fp16, fp32 or the
+            compute dtype)``.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group: ProcessGroups = None,
+        sharding_strategy: Optional[ShardingStrategy] = None,
+        cpu_offload: Optional[CPUOffload] = None,
+        auto_wrap_policy: Any = None,
+        backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE,
+        mixed_precision: Union[None, MixedPrecision, bool] = None,
+        ignored_modules: Optional[Iterable[nn.Module]] = None,
+        param_init_fn: Optional[Callable[[nn.Module], None]] = None,
+        device_id: Union[None, int, torch.device] = None,
+        sync_module_states: bool = False,
+        forward_prefetch: bool = False,
+        limit_all_gathers: bool = True,
+        use_orig_params: bool = True,
+        device_mesh: Optional[DeviceMesh] = None,
+        *,
+        fsdp_auto_wrap_policy: Any = None,
+        reshard_after_forward: Optional[bool] = None,
+        move_params_to_cpu: bool = False,
+        compute_dtype: Optional[torch.dtype] = None,
+        fp32_reduce_scatter: bool = False,
+    ) -> None:
+        super().__init__()
+        if auto_wrap_policy is not None and fsdp_auto_wrap_policy is not None:
+            raise ValueError(on_rank("pass auto_wrap_policy or its alias fsdp_auto_wrap_policy, not both"))
+        if not use_orig_params:
+            logger.info("use_orig_params=False is treated as True: parameters are always the original ones")
+        if reshard_after_forward is not None:
+            if sharding_strategy is not None:
+                raise ValueError(on_rank("pass sharding_strategy or fairscale's reshard_after_forward, not both"))
+            sharding_strategy = ShardingStrategy.FULL_SHARD if reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
+        if move_params_to_cpu:
+            cpu_offload = CPUOffload(offload_params=True)
+        if isinstance(mixed_precision, bool):  # fairscale: fp16 compute (or compute_dtype), fp32 masters
+            compute = compute_dtype or torch.float16
+            reduce = torch.float32 if fp32_reduce_scatter else compute
+            mixed_precision = MixedPrecision(compute, reduce) if mixed_precision else None
+        strategy = sharding_strategy or ShardingStrategy.FULL_SHARD
+        mesh = _mesh_for(strategy, process_group, device_mesh)
+        device = _device_for(device_id, MeshInfo(mesh).device)
+        if device_id is not None and not _has_meta(module):
+            module.to(device)
+        ignored = frozenset(id(p) for m in ignored_modules or () for p in m.parameters())
+        if sync_module_states:
+            _broadcast_from_rank0(module, process_group if isinstance(process_group, dist.ProcessGroup) else None)
+        if mixed_precision is not None and mixed_precision.buffer_dtype is not None:
+            _cast_buffers(module, mixed_precision.buffer_dtype)
+        shard = dict(
+            mesh=mesh,
+            reshard_after_forward=strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD),
+            offload_policy=CPUOffloadPolicy() if cpu_offload is not None and cpu_offload.offload_params else None,
+        )
+        policy = as_wrap_policy(auto_wrap_policy if auto_wrap_policy is not None else fsdp_auto_wrap_policy)
+        for sub in modules_to_wrap(module, policy, ignored) if policy is not None else []:
+            _materialise(sub, param_init_fn, device)
+            fully_shard(sub, mp_policy=_mp_policy(mixed_precision, root=False), ignored_params=_own(sub, ignored), **shard)
+        _materialise(module, param_init_fn, device)
+        fully_shard(module, mp_policy=_mp_policy(mixed_precision, root=True), ignored_params=_own(module, ignored), **shard)
+        for unit in units_under(module):
+            unit.backward_prefetch_timing = backward_prefetch
+        self.module = module
+        self.sharding_strategy = strategy
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "module":
+                raise
+            return getattr(self.module, name)
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """Forwards inside accumulate gradients locally, with no communication."""
+        return self.module.no_sync()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip all gradients by their global norm (over every rank's shards); returns that norm."""
+        return clip_grad_norm_(self.parameters(), max_norm, norm_type)
+
+    @staticmethod
+    def summon_full_params(
+        module: nn.Module,
+        writeback: bool = True,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+        with_grads: bool = False,
+    ) -> contextlib.AbstractContextManager:
+        """Collective context with full parameters in every sharded module under ``module``."""
+        if with_grads:
+            raise NotImplementedError(on_rank("summon_full_params(with_grads=True) is not supported"))
+        return summon_full_params(module, writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu)
+
+    def state_dict(self, *args: Any, destination: Optional[dict] = None, prefix: str = "", keep_vars: bool = False) -> dict:
+        """Collective: full tensors under the unwrapped model's names, on every rank."""
+        destination = {} if destination is None else destination
+        for key, value in full_state_dict(self.module).items():
+            destination[prefix + key] = value
+        return destination
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
+        """Collective: load a full (or DTensor) state dict keyed by the unwrapped model's names."""
+        return load_full_state_dict(self.module, state_dict, strict=strict)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator:
+        return self.module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator:
+        return self.module.named_buffers(prefix, recurse, remove_duplicate)
+
+
+def _mesh_for(strategy: ShardingStrategy, process_group: ProcessGroups, device_mesh: Optional[DeviceMesh]) -> DeviceMesh:
+    hybrid = strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+    if not hybrid and isinstance(process_group, tuple):
+        raise ValueError(on_rank(f"a (shard_group, replicate_group) pair is for hybrid sharding, not {strategy.name}"))
+    if hybrid:
+        if device_mesh is not None:
+            return device_mesh
+        if isinstance(process_group, tuple):
+            return mesh_from_groups(*process_group)
+        return hybrid_mesh(_ranks_per_node(), process_group)
+    if strategy is ShardingStrategy.NO_SHARD:
+        return hybrid_mesh(1, process_group)
+    return device_mesh if device_mesh is not None else resolve_mesh(process_group, None).mesh
+
+
+def _ranks_per_node() -> int:
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local:
+        return int(local)
+    if torch.cuda.is_available():
+        return torch.cuda.device_count()
+    raise ValueError(on_rank("hybrid sharding: pass device_mesh or process_group=(shard, replicate), or run under torchrun (LOCAL_WORLD_SIZE)"))
+
+
+def _device_for(device_id: Union[None, int, torch.device], default: torch.device) -> torch.device:
+    if device_id is None:
+        return default
+    return torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)
+
+
+def _mp_policy(mixed_precision: Optional[MixedPrecision], root: bool) -> MixedPrecisionPolicy:
+    if mixed_precision is None:
+        return MixedPrecisionPolicy()
+    cast = mixed_precision.cast_root_forward_inputs if root else mixed_precision.cast_forward_inputs
+    return MixedPrecisionPolicy(mixed_precision.param_dtype, mixed_precision.reduce_dtype, cast_forward_inputs=cast)
+
+
+def _own(module: nn.Module, ignored: frozenset) -> list[nn.Parameter]:
+    return [p for p in module.parameters() if id(p) in ignored]
+
+
+def _has_meta(module: nn.Module) -> bool:
+    return any(t.is_meta for t in [*module.parameters(), *module.buffers()])
+
+
+def _materialise(module: nn.Module, param_init_fn: Optional[Callable[[nn.Module], None]], device: torch.device) -> None:
+    """Give real storage to the meta tensors a unit is about to take (never the whole model at
+    once): ``param_init_fn(submodule)``, or ``to_empty`` + the submodule's ``reset_parameters``."""
+    for _, sub in modules_outside_units(module):
+        own = [t for t in [*sub._parameters.values(), *sub._buffers.values()] if t is not None]
+        if not any(t.is_meta for t in own):
+            continue
+        if param_init_fn is not None:
+            param_init_fn(sub)
+            continue
+        reset = getattr(sub, "reset_parameters", None)
+        if reset is None:
+            raise ValueError(on_rank(f"{type(sub).__name__} is on the meta device and has no reset_parameters(); pass param_init_fn"))
+        sub.to_empty(device=device, recurse=False)
+        reset()
+
+
+def _broadcast_from_rank0(module: nn.Module, group: Optional[dist.ProcessGroup]) -> None:
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            if not tensor.is_meta:
+                _comm.broadcast(tensor.data, src=0, group=group, async_op=False)
+
+
+def _cast_buffers(module: nn.Module, dtype: torch.dtype) -> None:
+    for sub in module.modules():
+        for name, buffer in sub._buffers.items():
+            if buffer is not None and buffer.is_floating_point():
+                sub._buffers[name] = buffer.to(dtype)
