@@ -1,12 +1,15 @@
 """Sharded checkpoints reshard: any world size, any layer, a plain single process, torch's own tools.
 
-Checkpoints are saved at world 2 and 3 by DDP + AdamW, ZeRO-1 (OSS + DDP) and ZeRO-2 (OSS +
-ShardedDataParallel), and by a plain single process; each is loaded at world 1, 2 and 3 into
-every layer. Right after loading, the full state (model, and optimizer state consolidated on
-rank 0) must equal the saving run's bit for bit: loading copies values, so no tolerance applies.
-Then one more training step must match DDP + AdamW loaded from the same state, within the
-tolerances of the parity tests (``tests/test_oss.py``: OSS equals DDP to float32 rounding;
-``tests/test_sharded_ddp.py``: Adam under ZeRO-2 may move an element by ulp noise over ``lr``).
+Checkpoints are saved at world 2 by DDP + AdamW, ZeRO-1 (OSS + DDP), ZeRO-2 (OSS +
+ShardedDataParallel) and ZeRO-3 (``fully_shard`` per block + AdamW over DTensor parameters), at
+world 3 by ZeRO-1, and by a plain single process; each is loaded at world 1, 2 and 3 into every
+layer, ZeRO-3 both as ``fully_shard`` and as the ``FullyShardedDataParallel`` wrapper. Right
+after loading, the full state (model, and optimizer state consolidated on rank 0) must equal the
+saving run's bit for bit: loading copies values, so no tolerance applies. Then one more training
+step must match DDP + AdamW loaded from the same state, within the tolerances of the parity
+tests (``tests/test_oss.py``: OSS equals DDP to float32 rounding; ``tests/test_sharded_ddp.py``
+and ``tests/_fsdp_reference.py``: Adam under ZeRO-2 or ZeRO-3, whose gradient sums are ordered
+differently from DDP's, may move an element by ulp noise over ``lr``).
 """
 
 from __future__ import annotations
@@ -17,15 +20,18 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from sharded import OSS, ShardedDataParallel, checkpoint
+from sharded import OSS, FullyShardedDataParallel, ShardedDataParallel, checkpoint, fully_shard
+from tests._fsdp_reference import ADAMW, assert_matches_ddp, full_tensors
 from tests._harness import assert_same_on_all_ranks, run_on_ranks
 from tests._models import gpt, gpt_loss, token_batch
 from tests.test_oss import _assert_close, _two_groups
 from tests.test_sharded_ddp import _assert_adam_close
 
-LAYERS = ("ddp", "zero1", "zero2")
+LAYERS = ("ddp", "zero1", "zero2", "zero3", "fsdp")
+SAVING_LAYERS = ("ddp", "zero1", "zero2", "zero3")  # "fsdp" saves what "zero3" saves
 ADAMW_LR = 1e-2
 STEPS = 3
 FROZEN_LATE = "blocks.0.ln1.weight"  # frozen after it has optimizer state, in the "-frozen" checkpoints
@@ -38,7 +44,16 @@ def build(layer, seed=0, frozen=()):
     for name, param in model.named_parameters():
         if name == "pos.weight" or name in frozen:
             param.requires_grad_(False)
-    groups = _two_groups(model)
+    if layer == "zero3":  # bottom-up: every block a unit, the model the unit for the rest
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    if layer == "fsdp":
+        wrapped = FullyShardedDataParallel(model, auto_wrap_policy={type(model.blocks[0])})
+        return model, wrapped, torch.optim.AdamW(_two_groups(wrapped), lr=ADAMW_LR)
+    groups = _two_groups(model)  # after sharding: the optimizer steps the DTensor parameters
+    if layer == "zero3":
+        return model, model, torch.optim.AdamW(groups, lr=ADAMW_LR)
     if layer in ("plain", "ddp"):
         optimizer = torch.optim.AdamW(groups, lr=ADAMW_LR)
         return model, (model if layer == "plain" else DDP(model)), optimizer
@@ -75,7 +90,7 @@ def assert_holds_reference(wrapped, optimizer, reference, what):
     state: each parameter's once with OSS, on every rank with a plain optimizer (collective)."""
     ours = checkpoint.get_state_dict(wrapped, optimizer)
     for key, value in reference["model"].items():
-        assert torch.equal(ours["model"][key], value), f"{what}: model {key}"
+        assert torch.equal(_whole(ours["model"][key]), value), f"{what}: model {key}"
     names = _optimizer_order()
     by_name = [{**g, "params": [names[i] for i in g["params"]]} for g in reference["optim"]["param_groups"]]
     assert ours["optim"]["param_groups"] == by_name, f"{what}: param groups"
@@ -84,11 +99,16 @@ def assert_holds_reference(wrapped, optimizer, reference, what):
         saved = reference["optim"]["state"][names.index(fqn)]
         assert state.keys() == saved.keys(), f"{what}: state keys of {fqn}"
         for key, value in saved.items():
-            assert torch.equal(state[key], value), f"{what}: state {fqn}/{key}"
+            assert torch.equal(_whole(state[key]), value), f"{what}: state {fqn}/{key}"
     count = torch.tensor(len(held))
     torch.distributed.all_reduce(count)
     copies = 1 if isinstance(optimizer, OSS) else torch.distributed.get_world_size()
     assert count.item() == copies * len(reference["optim"]["state"]), f"{what}: {count.item()} states held"
+
+
+def _whole(tensor):
+    """``tensor`` itself, or a DTensor's full value (collective: every rank, in the same order)."""
+    return full_tensors([tensor])[0] if isinstance(tensor, DTensor) else tensor
 
 
 def _optimizer_order():
@@ -115,9 +135,11 @@ def load_into(wrapped, optimizer, directory):
 
 
 def _save_every_layer(rank, world, root):
-    for layer in LAYERS if world == 2 else ("zero1",):
+    for layer in SAVING_LAYERS if world == 2 else ("zero1",):
         model, wrapped, optimizer = build(layer)
         train(wrapped, optimizer, rank, STEPS)
+        if layer == "zero3":
+            _assert_holds_only_its_shards(checkpoint.get_state_dict(wrapped, optimizer), world)
         save_with_reference(wrapped, optimizer, root / f"{layer}-w{world}", rank)
     if world == 2:  # a parameter frozen after it got optimizer state keeps it; ZeRO-2 re-partitions
         model, wrapped, optimizer = build("zero2")
@@ -127,10 +149,21 @@ def _save_every_layer(rank, world, root):
         save_with_reference(wrapped, optimizer, root / "zero2-frozen-w2", rank)
 
 
+def _assert_holds_only_its_shards(state, world):
+    """ZeRO-3's sharded form holds DTensors whose local part is this rank's shard: no rank
+    materialises a whole parameter or its optimizer state."""
+    tensors = list(state["model"].values()) + [v for held in state["optim"]["state"].values() for v in held.values()]
+    sharded = [t for t in tensors if isinstance(t, DTensor)]
+    assert len(sharded) == len(state["model"]) + 2 * (len(state["model"]) - 1), "DTensor params and Adam moments"
+    for tensor in sharded:
+        rows = tensor.shape[0]
+        assert tensor.to_local().shape[0] <= -(-rows // world), f"a local part of {tuple(tensor.shape)} is not a shard"
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """Checkpoints saved at world 2 by every layer, at world 3 by ZeRO-1, and by a plain
-    single process."""
+    single process; a full torch-format copy of each beside it as the reference."""
     root = tmp_path_factory.mktemp("checkpoints")
     for world in (2, 3):
         run_on_ranks(_save_every_layer, world, root)
@@ -156,21 +189,22 @@ def _resume_every_checkpoint_in_every_layer(rank, world, root):
             model, wrapped, optimizer = build(layer, seed=1, frozen=frozen)  # other weights: loading must replace them
             load_into(wrapped, optimizer, root / name)
             assert_holds_reference(wrapped, optimizer, reference, what)
-            _check_next_step_matches_ddp(wrapped, optimizer, layer, frozen, reference, rank, what)
-            assert_same_on_all_ranks(list(model.parameters()), what)
+            _check_next_step_matches_ddp(model, wrapped, optimizer, layer, frozen, reference, rank, what)
+            assert_same_on_all_ranks(full_tensors(model.parameters()), what)
 
 
-def _check_next_step_matches_ddp(wrapped, optimizer, layer, frozen, full, rank, what):
+def _check_next_step_matches_ddp(model, wrapped, optimizer, layer, frozen, full, rank, what):
     ref_model, ref_wrapped, ref_optimizer = build("ddp", seed=1, frozen=frozen)
     ref_model.load_state_dict(full["model"])
     ref_optimizer.load_state_dict(copy.deepcopy(full["optim"]))  # torch's load keeps the tensors it gets
     train(ref_wrapped, ref_optimizer, rank, 1, first=STEPS)
     train(wrapped, optimizer, rank, 1, first=STEPS)
-    module = wrapped.module
-    if layer == "zero2":
-        _assert_adam_close(module, ref_model, what, lr=ADAMW_LR, steps=1)
+    if layer in ("zero3", "fsdp"):
+        assert_matches_ddp(model, ref_model, what, optim=ADAMW, steps=1)
+    elif layer == "zero2":
+        _assert_adam_close(model, ref_model, what, lr=ADAMW_LR, steps=1)
     else:
-        _assert_close(module, ref_model, what)
+        _assert_close(model, ref_model, what)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
@@ -222,11 +256,11 @@ def test_files_are_standard_dcp_checkpoints_that_torch_reads_and_writes(saved, t
     assert_full_equal(checkpoint.get_state_dict(other, other_optimizer, full=True), reference, "written by dcp.save")
 
 
-# ------------------------------------------------------------- DTensor parameters (layer 3)
+# ------------------------------------------------------------------ torch's own fully_shard
 
 
 def _fully_sharded(seed):
-    """A GPT under torch's own ``fully_shard`` (FSDP2): DTensor parameters, as layer 3 will have."""
+    """A GPT under torch's own ``fully_shard`` (FSDP2): DTensor parameters laid out by torch."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -263,6 +297,7 @@ def _check_dtensor_models_round_trip(rank, world, root):
     assert_full_equal(checkpoint.get_state_dict(wrapped, optimizer, full=True), expected, "FSDP2 -> ZeRO-2")
 
 
-def test_dtensor_parameters_go_through_the_same_functions(tmp_path):
-    """torch's FSDP2 stands in for layer 3: uneven DTensor shards at world 3, both directions."""
+def test_models_under_torchs_own_fully_shard_exchange_checkpoints_with_zero(tmp_path):
+    """A user of torch's FSDP2 moves to or from sharded's ZeRO-1/2 through the same functions:
+    uneven DTensor shards at world 3, both directions."""
     run_on_ranks(_check_dtensor_models_round_trip, 3, tmp_path, timeout=180)

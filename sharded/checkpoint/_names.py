@@ -9,6 +9,7 @@ of loading someone else's tensors by position.
 
 from __future__ import annotations
 
+import sys
 from typing import Sequence, Union
 
 import torch
@@ -25,15 +26,24 @@ Optimizers = Union[Optimizer, Sequence[Optimizer]]
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The user's model inside DDP, ShardedDataParallel and ``torch.compile`` wrappers."""
+    """The user's model inside DDP, ShardedDataParallel, FullyShardedDataParallel and
+    ``torch.compile`` wrappers (``fully_shard`` wraps nothing: its module is the model)."""
     while True:
-        if isinstance(model, (DistributedDataParallel, ShardedDataParallel)):
+        if isinstance(model, _wrapper_classes()):
             model = model.module
             continue
         compiled_from = getattr(model, "_orig_mod", None)  # torch.compile's wrapper
         if not isinstance(compiled_from, nn.Module):
             return model
         model = compiled_from
+
+
+def _wrapper_classes() -> tuple[type, ...]:
+    """The wrappers whose ``.module`` is the user's model. The layer-3 wrapper counts only once
+    it has been imported (importing it imports DTensor, which is slow), as it must be to exist."""
+    fsdp = sys.modules.get("sharded.fsdp.fully_sharded_data_parallel")
+    layer3 = (fsdp.FullyShardedDataParallel,) if fsdp is not None else ()
+    return (DistributedDataParallel, ShardedDataParallel) + layer3
 
 
 def as_optimizer_list(optimizers: Optimizers) -> list[Optimizer]:
