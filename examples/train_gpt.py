@@ -228,6 +228,22 @@ def report(results: dict, out: Path) -> None:
     print(f"\nwrote {out / 'memory.png'}")
 
 
+def init_process_group(backend: str, timeout: datetime.timedelta) -> None:
+    """``dist.init_process_group``, giving each torchrun restart its own namespace in the store.
+
+    torchrun lends the job its rendezvous store, and what a process group publishes there (each
+    rank's address) outlives a failed attempt: a restarted rank can read a dead peer's address
+    and fail to connect. A key prefix per attempt keeps attempts apart. (Setting
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` for torchrun avoids it too.)"""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    shared = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"attempt-{attempt}/", shared), timeout=timeout,
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stage", default="ddp,1,2,3", help="comma-separated: ddp, 1, 2, 3")
@@ -251,7 +267,7 @@ def main() -> None:
     args = parser.parse_args()
 
     use_cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=args.timeout))
+    init_process_group("nccl" if use_cuda else "gloo", datetime.timedelta(seconds=args.timeout))
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         device = torch.device("cuda")
