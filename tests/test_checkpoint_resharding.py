@@ -25,10 +25,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from sharded import OSS, FullyShardedDataParallel, ShardedDataParallel, checkpoint, fully_shard
 from tests._fsdp_reference import ADAMW, assert_matches_ddp, full_tensors
+from tests import _harness
 from tests._harness import assert_same_on_all_ranks, run_on_ranks
 from tests._models import gpt, gpt_loss, token_batch
 from tests.test_oss import _assert_close, _two_groups
 from tests.test_sharded_ddp import _assert_adam_close
+
+# Every rank forks from the harness's forkserver: have it import DCP and these tests' modules once
+# (each costs a rank about a second of CPU otherwise, in every launch of every checkpoint test).
+_harness._PRELOAD.extend(
+    m for m in ("torch.distributed.checkpoint", "tests.test_checkpoint_resharding") if m not in _harness._PRELOAD
+)
 
 LAYERS = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 SAVING_LAYERS = ("ddp", "zero1", "zero2", "zero3")  # "fsdp" saves what "zero3" saves
