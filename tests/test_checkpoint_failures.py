@@ -33,7 +33,12 @@ PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=4)
 
 
 def _regroup(rank, world, store_path):
-    """Replace the harness's process group by one with a short timeout, as a user would make it."""
+    """Replace the harness's process group by one with a short timeout, as a user would make it.
+
+    The barrier first: creating a gloo group does not wait for every peer to finish connecting,
+    and a rank that destroyed its group at once made a slower peer's init fail with "Connection
+    closed by peer" (seen about once in fifteen launches)."""
+    dist.barrier()
     dist.destroy_process_group()
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=PROCESS_GROUP_TIMEOUT)
