@@ -10,7 +10,7 @@ of loading someone else's tensors by position.
 from __future__ import annotations
 
 import sys
-from typing import Sequence, Union
+from typing import Sequence, Union, cast
 
 import torch
 from torch import nn
@@ -30,7 +30,7 @@ def unwrap(model: nn.Module) -> nn.Module:
     ``torch.compile`` wrappers (``fully_shard`` wraps nothing: its module is the model)."""
     while True:
         if isinstance(model, _wrapper_classes()):
-            model = model.module
+            model = cast(nn.Module, model.module)
             continue
         compiled_from = getattr(model, "_orig_mod", None)  # torch.compile's wrapper
         if not isinstance(compiled_from, nn.Module):
