@@ -2,11 +2,11 @@
 
 Save (collective; every rank writes what it holds, no rank gathers the optimizer state)::
 
-    state = checkpoint.get_state_dict(model, optimizer)       # model: DDP / ShardedDataParallel / plain
+    state = checkpoint.get_state_dict(model, optimizer)       # DDP / ShardedDataParallel / fully_shard / FSDP / plain
     state["step"] = step                                      # anything else you need back
     checkpoint.save(state, f"ckpt/step-{step:06d}")           # visible only once complete
 
-Resume (collective; any world size, ZeRO-1 <-> ZeRO-2 <-> plain single process)::
+Resume (collective; any world size, ZeRO-1 <-> ZeRO-2 <-> ZeRO-3 <-> plain single process)::
 
     state = checkpoint.get_state_dict(model, optimizer)       # the template: what this rank wants
     state["step"] = 0
@@ -23,8 +23,10 @@ from the checkpoint instead). :func:`load` also refuses to run code from the fil
 own reader does not guarantee. ``get_state_dict(..., full=True)`` gives rank 0 a plain torch
 state dict for export.
 
-Layer 3 (DTensor parameters) goes through the same functions: DTensors are saved shard by shard
-and loaded into staging DTensors laid out like the model's.
+Layer 3 (``fully_shard``, ``FullyShardedDataParallel``, or torch's own ``fully_shard``) goes
+through the same functions with a plain torch optimizer over the DTensor parameters: DTensors are
+saved shard by shard (each rank writes only its own) and loaded into staging DTensors laid out
+like the model's.
 """
 
 from __future__ import annotations

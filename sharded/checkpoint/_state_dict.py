@@ -37,15 +37,18 @@ def get_state_dict(model: nn.Module, optimizers: Optimizers = (), *, full: bool 
     """The state of ``model`` and ``optimizers``, to save with :func:`sharded.checkpoint.save`
     (or ``torch.distributed.checkpoint.save``).
 
-    Collective when ``full`` (and for DTensor parameters). ``model`` may be wrapped in DDP or
-    ``ShardedDataParallel``; keys are those of the model inside. ``optimizers`` may be ``OSS``
-    or plain torch optimizers, one or a list over disjoint parameters.
+    Collective when ``full``. ``model`` may be wrapped in DDP, ``ShardedDataParallel`` or
+    ``FullyShardedDataParallel``, or ``fully_shard``-ed; keys are those of the model inside.
+    ``optimizers`` may be ``OSS`` or plain torch optimizers (over DTensor parameters under
+    ZeRO-3), one or a list over disjoint parameters.
 
     Sharded (default): every rank returns what it holds and nothing more; ``OSS`` ranks list
     only the optimizer state of the parameters they own, so no rank ever holds the whole
-    optimizer state. Full: rank 0 gets CPU copies in plain torch format, ``{"model":
-    model.state_dict(), "optim": optimizer.state_dict()}`` (a list of optimizer dicts if a list
-    was passed), loadable by the unwrapped model and a plain optimizer; other ranks get ``{}``.
+    optimizer state; under ZeRO-3 parameters and their element-wise optimizer state are
+    DTensors holding this rank's shard. Full: rank 0 gets CPU copies in plain torch format,
+    ``{"model": model.state_dict(), "optim": optimizer.state_dict()}`` (a list of optimizer
+    dicts if a list was passed), loadable by the unwrapped model and a plain optimizer; other
+    ranks get ``{}``.
     """
     module, listed = unwrap(model), as_optimizer_list(optimizers)
     if full:
