@@ -3,12 +3,20 @@
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py            # what `make demo` runs
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --stage 2 --accumulate 2 --amp bf16
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --stage 2 --resume
+    torchrun --standalone --nproc-per-node 2 --max-restarts 3 examples/train_gpt.py --stage 2 --resume
 
 Stages, on the same model code: ``ddp`` = DDP + AdamW; ``1`` = DDP + ``sharded.OSS(AdamW)``
 (optimizer state sharded); ``2`` = ``sharded.ShardedDataParallel`` + ``OSS`` (gradients sharded
 too); ``3`` = ``sharded.fully_shard`` on every block and the model + AdamW (parameters sharded
 too). ``--stage ddp,1,2,3`` trains each in turn from the same weights on the same batches and
 compares what each rank holds at the end (a table and ``<out>/memory.png``).
+
+Checkpoints are sharded (``sharded.checkpoint``, on torch.distributed.checkpoint): every
+``--save-every`` steps each rank writes what it holds to ``<out>/checkpoints/stage-S/step-N``,
+which appears atomically once complete. ``--resume`` continues from the latest complete one, at
+any number of ranks. If a rank dies, the others stop within ``--timeout`` seconds; under
+``torchrun --max-restarts N`` the job restarts and resumes, ending exactly where an uninterrupted
+run ends (the batches of a step depend only on the step and the rank).
 
 On GPUs the same script uses NCCL, one rank per GPU (``--nproc-per-node`` = GPUs per node). Across
 machines use torchrun's usual rendezvous instead of ``--standalone``, on every node::
@@ -24,10 +32,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import os
+import signal
 import sysconfig
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -35,7 +46,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gpt import GPT, next_token_loss  # examples/gpt.py, beside this script
-from sharded import OSS, ShardedDataParallel, ShardedGradScaler, fully_shard
+from sharded import OSS, ShardedDataParallel, ShardedGradScaler, checkpoint, fully_shard
 
 VOCAB = 256  # bytes
 
@@ -90,14 +101,15 @@ def train_stage(stage: str, args, device, train: torch.Tensor, val: torch.Tensor
     model = GPT(VOCAB, args.dim, args.layers, args.heads, args.seq).to(device)
     wrapped, optimizer = build(stage, model, args)
     scaler = ShardedGradScaler(enabled=args.amp == "fp16", device=device.type)
-    ckpt = Path(args.out) / f"checkpoint-stage-{stage}.pt"
-    start = resume(ckpt, model, optimizer, scaler) if args.resume and ckpt.exists() else 0
-    g = torch.Generator().manual_seed(start * world + rank)
+    checkpoints = Path(args.out) / "checkpoints" / f"stage-{stage}"
+    start = resume(checkpoints, wrapped, optimizer, scaler) if args.resume else 0
     progress = progress_bar(rank, start, args.steps, stage)
     tokens_per_step = args.batch * args.seq * args.accumulate * world
     first_val = validation_loss(wrapped, val, args, device)
     tick = time.perf_counter()
     for step in range(start, args.steps):
+        crash_if_asked(step, args.crash_at)
+        g = torch.Generator().manual_seed(step * world + rank)  # a step's batches depend on nothing else
         optimizer.zero_grad()
         for micro in range(args.accumulate):
             last = micro == args.accumulate - 1
@@ -117,7 +129,7 @@ def train_stage(stage: str, args, device, train: torch.Tensor, val: torch.Tensor
         progress.update()
         tick = now
         if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
-            save(ckpt, step + 1, model, optimizer, scaler)
+            save(checkpoints, step + 1, wrapped, optimizer, scaler)
     progress.close()
     final_val = validation_loss(wrapped, val, args, device)
     local = optimizer.optim if isinstance(optimizer, OSS) else optimizer
@@ -130,39 +142,38 @@ def train_stage(stage: str, args, device, train: torch.Tensor, val: torch.Tensor
     }
 
 
-def save(path: Path, step: int, model: nn.Module, optimizer, scaler) -> None:
-    """Collective: model and optimizer state are gathered in full on rank 0, which writes the file
-    (OSS consolidates its shards; stage 3's DTensors go through torch.distributed.checkpoint)."""
-    if isinstance(optimizer, OSS):
-        optimizer.consolidate_state_dict(recipient_rank=0)
-    if is_fully_sharded(model):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+def save(root: Path, step: int, model: nn.Module, optimizer, scaler) -> None:
+    """Collective: each rank writes what it holds (no gathering on rank 0) into
+    ``root/step-N``, which becomes visible in one atomic rename once every rank is done."""
+    state = checkpoint.get_state_dict(model, optimizer)
+    state["scaler"] = scaler.state_dict()
+    state["step"] = step
+    checkpoint.save(state, root / f"step-{step:06d}")
 
-        model_state, optim_state = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    elif dist.get_rank() == 0:  # the only rank holding the consolidated optimizer state
-        model_state, optim_state = model.state_dict(), optimizer.state_dict()
+
+def resume(root: Path, model: nn.Module, optimizer, scaler) -> int:
+    """Collective: load the latest complete checkpoint under ``root``, saved at any world size
+    and stage; return its step (0 when there is none)."""
+    latest = checkpoint.latest_checkpoint(root)
+    if latest is None:
+        return 0
+    state = checkpoint.get_state_dict(model, optimizer)  # what this rank wants: its own shard
+    state["scaler"] = scaler.state_dict()
+    state["step"] = 0
+    checkpoint.load(state, latest)
+    checkpoint.set_state_dict(model, optimizer, state)
+    scaler.load_state_dict(state["scaler"])
     if dist.get_rank() == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"step": step, "model": model_state, "optimizer": optim_state, "scaler": scaler.state_dict()}, path)
-    dist.barrier()
+        print(f"resuming from {latest}")
+    return state["step"]
 
 
-def resume(path: Path, model: nn.Module, optimizer, scaler) -> int:
-    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    if is_fully_sharded(model):  # every rank keeps its shard of the full tensors
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-        set_state_dict(model, optimizer, model_state_dict=checkpoint["model"], optim_state_dict=checkpoint["optimizer"],
-                       options=StateDictOptions(full_state_dict=True))
-    else:
-        model.load_state_dict(checkpoint["model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-    scaler.load_state_dict(checkpoint["scaler"])
-    return checkpoint["step"]
-
-
-def is_fully_sharded(model: nn.Module) -> bool:
-    return any(hasattr(p, "full_tensor") for p in model.parameters())
+def crash_if_asked(step: int, crash_at: Optional[int]) -> None:
+    """``--crash-at``: rank 1 kills itself at that step, on the job's first attempt only, to show
+    (and test) that a restarted job resumes and ends where an uninterrupted one does."""
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if step == crash_at and dist.get_rank() == 1 and first_attempt:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def held_bytes(tensors) -> int:
@@ -217,14 +228,34 @@ def report(results: dict, out: Path) -> None:
     print(f"\nwrote {out / 'memory.png'}")
 
 
+def init_process_group(backend: str, timeout: datetime.timedelta) -> None:
+    """``dist.init_process_group``, giving each torchrun restart its own namespace in the store.
+
+    torchrun lends the job its rendezvous store, and what a process group publishes there (each
+    rank's address) outlives a failed attempt: a restarted rank can read a dead peer's address
+    and fail to connect. A key prefix per attempt keeps attempts apart. (Setting
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` for torchrun avoids it too.)"""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    shared = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"attempt-{attempt}/", shared), timeout=timeout,
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stage", default="ddp,1,2,3", help="comma-separated: ddp, 1, 2, 3")
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per step (no_sync)")
     parser.add_argument("--amp", choices=("off", "bf16", "fp16"), default="off")
-    parser.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint-stage-S.pt")
-    parser.add_argument("--save-every", type=int, default=50)
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the latest complete checkpoint in <out>/checkpoints/stage-S")
+    parser.add_argument("--save-every", type=int, default=50, help="steps between checkpoints")
+    parser.add_argument("--timeout", type=float, default=300,
+                        help="seconds a collective waits for a peer before failing (a dead rank is noticed within it)")
+    parser.add_argument("--crash-at", type=int, default=None, help="rank 1 dies (SIGKILL) at this step, once")
     parser.add_argument("--out", default="demo_out")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=128)
@@ -236,7 +267,7 @@ def main() -> None:
     args = parser.parse_args()
 
     use_cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    init_process_group("nccl" if use_cuda else "gloo", datetime.timedelta(seconds=args.timeout))
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         device = torch.device("cuda")
@@ -247,7 +278,8 @@ def main() -> None:
     if dist.get_rank() == 0:
         print(f"{len(train):,} training / {len(val):,} validation bytes of the standard library; "
               f"{dist.get_world_size()} ranks on {device.type}")
-    results = {stage: train_stage(stage, args, device, train, val) for stage in args.stage.split(",")}
+    with checkpoint.detect_peer_failure():  # a dead peer: a clear error instead of a backend one
+        results = {stage: train_stage(stage, args, device, train, val) for stage in args.stage.split(",")}
     if dist.get_rank() == 0:
         report(results, Path(args.out))
     dist.destroy_process_group()

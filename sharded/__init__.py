@@ -3,10 +3,12 @@
 ``OSS`` shards optimizer state (ZeRO-1); ``ShardedDataParallel`` adds gradient sharding
 (ZeRO-2); ``ShardedGradScaler`` makes mixed precision agree across shards. The names and
 signatures follow fairscale, so ``from sharded import OSS, ShardedDataParallel`` is a drop-in.
+``sharded.checkpoint`` saves and loads sharded, resharding checkpoints for every layer.
 """
 
 from __future__ import annotations
 
+from . import checkpoint
 from .grad_scaler import ShardedGradScaler
 from .oss import OSS
 from .sharded_ddp import ShardedDataParallel

@@ -83,9 +83,9 @@ def object_to_bytes(obj: Any, device: torch.device) -> torch.Tensor:
 
 def bytes_to_object(data: torch.Tensor) -> Any:
     """Inverse of :func:`object_to_bytes`; loads data only (``weights_only=True``)."""
-    data = data.cpu().contiguous()
-    start = data.storage_offset()
-    raw = bytes(data.untyped_storage())[start : start + data.numel()]
+    raw = bytearray(data.numel())
+    if raw:  # one copy by torch: iterating the storage in Python costs seconds per megabyte
+        torch.frombuffer(raw, dtype=torch.uint8).copy_(data.reshape(-1))
     return torch.load(io.BytesIO(raw), weights_only=True)
 
 

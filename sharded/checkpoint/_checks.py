@@ -1,0 +1,134 @@
+"""Does a checkpoint fit the model and optimizers it is loaded into? Errors that say why.
+
+Every check here runs before anything is loaded and depends only on data that is the same on
+every rank (the checkpoint's index, the replicated model's names and shapes, the param groups),
+so all ranks reach the same verdict without talking, and none is left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+__all__ = ["CheckpointError", "check_entries", "check_param_groups", "check_state_shapes"]
+
+Shape = Optional[tuple[int, ...]]  # None for a value that is not a tensor
+_LISTED = 6  # names quoted in one message before "and N more"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be loaded here: it is damaged, incomplete, or was saved for a
+    different model or optimizer. Nothing was loaded."""
+
+
+def check_entries(expected: Mapping[str, Shape], found: Mapping[str, Shape], what: str, rank: int, source: str) -> None:
+    """Raise unless ``found`` has exactly the keys of ``expected``, tensors of the same shapes.
+
+    ``what`` names the mapping in messages (``"model"``), ``source`` where ``found`` comes from.
+    """
+    missing = [k for k in expected if k not in found]
+    unexpected = [k for k in found if k not in expected]
+    mis_shaped = [
+        f"{k} saved {_shape(found[k])}, here {_shape(expected[k])}"
+        for k in expected
+        if k in found and found[k] != expected[k]
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing {what} keys {_listing(missing)}")
+    if unexpected:
+        problems.append(f"unexpected {what} keys {_listing(unexpected)}")
+    if mis_shaped:
+        problems.append(f"{what} shapes differ: {_listing(mis_shaped)}")
+    if problems:
+        raise CheckpointError(
+            f"rank {rank}: {source} does not fit: {'; '.join(problems)}. It was saved for a "
+            "different model; nothing was loaded"
+        )
+
+
+def check_param_groups(saved: Mapping[str, Any], expected: Mapping[str, Any], rank: int, source: str) -> None:
+    """Raise unless the saved optimizer description matches the expected one.
+
+    Both are the ``"optim"`` part of a sharded state dict: ``param_groups`` (hyperparameters and
+    parameter FQNs) and, when recorded, ``classes`` (the optimizer class of each group). Groups
+    correspond by position; within a group parameters match by name, in any order.
+    """
+    for key in ("param_groups", "state"):
+        if key not in saved:
+            raise CheckpointError(f"rank {rank}: {source} has no optimizer '{key}' entry")
+    saved_groups, groups = saved["param_groups"], expected["param_groups"]
+    if len(saved_groups) != len(groups):
+        raise CheckpointError(
+            f"rank {rank}: {source} has {len(saved_groups)} optimizer param groups, the "
+            f"optimizers here have {len(groups)}"
+        )
+    _check_classes(saved.get("classes"), expected.get("classes"), rank, source)
+    for g, (saved_group, group) in enumerate(zip(saved_groups, groups)):
+        _check_group(g, saved_group, group, check_keys="classes" not in saved, rank=rank, source=source)
+    known = {fqn for group in groups for fqn in group["params"]}
+    strays = [fqn for fqn in saved["state"] if fqn not in known]
+    if strays:
+        raise CheckpointError(
+            f"rank {rank}: {source} holds optimizer state for {_listing(strays)}, which no param "
+            "group here lists; it was saved for a different model"
+        )
+
+
+def check_state_shapes(fqn: str, state: Mapping[str, Shape], param_shape: tuple[int, ...], rank: int, source: str) -> None:
+    """Element-wise optimizer state must have its parameter's shape (or broadcast to it, as
+    factored state does); scalars such as ``step`` are free."""
+    for key, shape in state.items():
+        if shape is None or len(shape) != len(param_shape) or not shape:
+            continue
+        if not all(s in (p, 1) for s, p in zip(shape, param_shape)):
+            raise CheckpointError(
+                f"rank {rank}: {source}: optimizer state '{key}' of {fqn} has shape {shape}, the "
+                f"parameter has shape {param_shape}; it was saved for a different model"
+            )
+
+
+def _check_classes(saved: Optional[Sequence[str]], expected: Optional[Sequence[str]], rank: int, source: str) -> None:
+    if saved is None or expected is None:
+        return
+    for g, (theirs, ours) in enumerate(zip(saved, expected)):
+        if theirs != ours:
+            raise CheckpointError(
+                f"rank {rank}: {source}: param group {g} was saved by a {theirs} optimizer, it is "
+                f"loaded into a {ours}; optimizer state does not carry over between classes"
+            )
+
+
+def _check_group(g: int, saved: Mapping[str, Any], group: Mapping[str, Any], check_keys: bool, rank: int, source: str) -> None:
+    saved_names, names = list(saved.get("params", ())), list(group["params"])
+    if any(not isinstance(name, str) for name in saved_names):
+        raise CheckpointError(
+            f"rank {rank}: {source}: param group {g} lists parameters by position, not by name: "
+            "that is a full (torch-format) optimizer state dict; load it with "
+            "optimizer.load_state_dict()"
+        )
+    missing = [n for n in names if n not in set(saved_names)]
+    unexpected = [n for n in saved_names if n not in set(names)]
+    if missing or unexpected:
+        parts = ([f"lacks {_listing(missing)}"] if missing else []) + (
+            [f"has {_listing(unexpected)} which the optimizer here does not"] if unexpected else []
+        )
+        raise CheckpointError(
+            f"rank {rank}: {source}: optimizer param group {g} {' and '.join(parts)}; the model or "
+            "the param groups differ from the saved ones"
+        )
+    if check_keys and set(saved) != set(group):
+        differing = sorted(set(saved) ^ set(group))
+        raise CheckpointError(
+            f"rank {rank}: {source}: optimizer param group {g} has hyperparameters "
+            f"{_listing(differing)} on one side only; it was saved by a different optimizer class"
+        )
+
+
+def _shape(shape: Shape) -> str:
+    return "not a tensor" if shape is None else str(tuple(shape))
+
+
+def _listing(items: Iterable[str]) -> str:
+    items = list(items)
+    shown = ", ".join(items[:_LISTED])
+    return shown + (f" and {len(items) - _LISTED} more" if len(items) > _LISTED else "")

@@ -1,0 +1,186 @@
+"""A model's and its optimizers' state as a checkpoint sees it: sharded, or full on rank 0.
+
+The sharded form is torch's distributed-checkpoint layout, keyed by the FQNs of the unwrapped
+model::
+
+    {"model": {fqn: tensor, ...},
+     "optim": {"state": {fqn: {"exp_avg": tensor, ...}, ...},
+               "param_groups": [{"lr": ..., "params": [fqn, ...]}, ...],
+               "classes": ["torch.optim.adamw.AdamW", ...]}}   # one per param group
+
+Every rank lists in ``optim.state`` exactly the parameters whose optimizer state it keeps (an
+empty dict for one that has none yet): with ``OSS`` that is the parameters the rank owns, with a
+plain optimizer all of them. Values are the live tensors, not copies, so building it costs
+nothing; DCP writes each replicated tensor once, and each rank its own shard.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from itertools import chain
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+
+from ..oss import OSS
+from ._checks import CheckpointError, Shape, check_entries, check_param_groups, check_state_shapes
+from ._names import Optimizers, as_optimizer_list, inner_optimizer_class, optimizer_fqns, param_fqns, unwrap
+
+__all__ = ["get_state_dict", "is_dtensor", "optimizer_entries", "set_state_dict"]
+
+
+def get_state_dict(model: nn.Module, optimizers: Optimizers = (), *, full: bool = False) -> dict[str, Any]:
+    """The state of ``model`` and ``optimizers``, to save with :func:`sharded.checkpoint.save`
+    (or ``torch.distributed.checkpoint.save``).
+
+    Collective when ``full``. ``model`` may be wrapped in DDP, ``ShardedDataParallel`` or
+    ``FullyShardedDataParallel``, or ``fully_shard``-ed; keys are those of the model inside.
+    ``optimizers`` may be ``OSS`` or plain torch optimizers (over DTensor parameters under
+    ZeRO-3), one or a list over disjoint parameters.
+
+    Sharded (default): every rank returns what it holds and nothing more; ``OSS`` ranks list
+    only the optimizer state of the parameters they own, so no rank ever holds the whole
+    optimizer state; under ZeRO-3 parameters and their element-wise optimizer state are
+    DTensors holding this rank's shard. Full: rank 0 gets CPU copies in plain torch format,
+    ``{"model": model.state_dict(), "optim": optimizer.state_dict()}`` (a list of optimizer
+    dicts if a list was passed), loadable by the unwrapped model and a plain optimizer; other
+    ranks get ``{}``.
+    """
+    module, listed = unwrap(model), as_optimizer_list(optimizers)
+    if full:
+        return _full_state_dict(module, listed, single=isinstance(optimizers, Optimizer))
+    state: dict[str, Any] = {"model": module.state_dict()}
+    if listed:
+        state["optim"] = optimizer_entries(listed, param_fqns(module), _rank())
+    return state
+
+
+def set_state_dict(model: nn.Module, optimizers: Optimizers, state: Mapping[str, Any]) -> None:
+    """Load a sharded-form ``state`` (as :func:`sharded.checkpoint.load` filled it) into
+    ``model`` and ``optimizers``. Not collective.
+
+    Everything is checked before anything is loaded: the model keys and shapes, the param
+    groups (by parameter name, not position), the optimizer class and the state shapes; an error
+    names what does not fit and leaves model and optimizers untouched. Each ``OSS`` keeps the
+    state of the parameters it owns. ``state`` may lack ``"model"`` to load optimizers only.
+    """
+    module, listed, rank = unwrap(model), as_optimizer_list(optimizers), _rank()
+    source = f"rank {rank}'s state dict"
+    if "model" in state:
+        check_entries(_shapes(module.state_dict()), _shapes(state["model"]), "model", rank, source)
+    loads = _optimizer_loads(listed, state, param_fqns(module), rank, source) if listed else []
+    if "model" in state:
+        module.load_state_dict(state["model"])
+    for optimizer, torch_format in loads:
+        optimizer.load_state_dict(torch_format)
+
+
+def optimizer_entries(optimizers: list[Optimizer], names: dict[torch.Tensor, str], rank: int) -> dict[str, Any]:
+    """The ``"optim"`` part of the sharded form for ``optimizers`` (live tensors, no copies)."""
+    state: dict[str, dict[str, Any]] = {}
+    groups, classes = [], []
+    for optimizer in optimizers:
+        for group, fqns in zip(optimizer.param_groups, optimizer_fqns(optimizer, names, rank)):
+            groups.append({**_hyperparams(group), "params": fqns})
+            classes.append(inner_optimizer_class(optimizer))
+        state.update({names[p]: dict(held) for p, held in _held_states(optimizer).items()})
+    return {"state": state, "param_groups": groups, "classes": classes}
+
+
+def _held_states(optimizer: Optimizer) -> dict[torch.Tensor, Mapping[str, Any]]:
+    """Parameter -> its optimizer state, for every parameter whose state this rank keeps."""
+    if isinstance(optimizer, OSS):
+        partition = optimizer.partition
+        kept = [partition.params[i] for i in partition.owned_indices(optimizer.rank)]
+        table = optimizer.optim.state
+    else:
+        kept = [p for group in optimizer.param_groups for p in group["params"]]
+        table = optimizer.state
+    return {p: table.get(p, {}) for p in kept}
+
+
+def _optimizer_loads(
+    optimizers: list[Optimizer], state: Mapping[str, Any], names: dict[torch.Tensor, str], rank: int, source: str
+) -> list[tuple[Optimizer, dict[str, Any]]]:
+    """Check ``state["optim"]`` against ``optimizers``; return each one's part in torch format."""
+    if "optim" not in state:
+        raise CheckpointError(f"rank {rank}: {source} has no 'optim' entry for the optimizers")
+    saved = state["optim"]
+    check_param_groups(saved, optimizer_entries(optimizers, names, rank), rank, source)
+    param_of = {fqn: p for p, fqn in names.items()}
+    for fqn, held in saved["state"].items():
+        check_state_shapes(fqn, _shapes(held), tuple(param_of[fqn].shape), rank, source)
+    loads, start = [], 0
+    for optimizer in optimizers:
+        fqns = optimizer_fqns(optimizer, names, rank)
+        index_of = {fqn: i for i, fqn in enumerate(chain.from_iterable(fqns))}
+        saved_groups = saved["param_groups"][start : start + len(fqns)]
+        start += len(fqns)
+        groups = [{**_hyperparams(g), "params": [index_of[f] for f in group]} for g, group in zip(saved_groups, fqns)]
+        held = {index_of[f]: dict(s) for f, s in saved["state"].items() if f in index_of and s}
+        loads.append((optimizer, {"state": held, "param_groups": groups}))
+    return loads
+
+
+# ------------------------------------------------------------------------------- full form
+
+
+def _full_state_dict(module: nn.Module, optimizers: list[Optimizer], single: bool) -> dict[str, Any]:
+    rank = _rank()
+    model = {key: _full_copy(value, keep=rank == 0) for key, value in module.state_dict().items()}
+    optims = [_full_optimizer_state(optimizer, rank) for optimizer in optimizers]
+    if rank != 0:
+        return {}
+    full: dict[str, Any] = {"model": model}
+    if optimizers:
+        full["optim"] = optims[0] if single else optims
+    return full
+
+
+def _full_optimizer_state(optimizer: Optimizer, rank: int) -> Optional[dict[str, Any]]:
+    """The torch-format state dict of ``optimizer`` as CPU copies on rank 0 (collective)."""
+    if isinstance(optimizer, OSS):
+        optimizer.consolidate_state_dict(recipient_rank=0)
+        return optimizer.state_dict() if rank == 0 else None
+    torch_format = optimizer.state_dict()
+    state = {
+        index: {key: _full_copy(value, keep=rank == 0) for key, value in held.items()}
+        for index, held in torch_format["state"].items()
+    }
+    return {"state": state, "param_groups": copy.deepcopy(torch_format["param_groups"])} if rank == 0 else None
+
+
+def _full_copy(value: Any, keep: bool) -> Any:
+    """A CPU copy of ``value`` whole; a DTensor is gathered on every rank first (collective)."""
+    if is_dtensor(value):
+        value = value.full_tensor()
+    if not keep:
+        return None
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    return copy.deepcopy(value)
+
+
+# -------------------------------------------------------------------------------- helpers
+
+
+def is_dtensor(value: Any) -> bool:
+    """Whether ``value`` is a DTensor, without importing DTensor (slow) when none can exist."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
+
+
+def _shapes(entries: Mapping[str, Any]) -> dict[str, Shape]:
+    return {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in entries.items()}
+
+
+def _hyperparams(group: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
