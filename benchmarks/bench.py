@@ -502,9 +502,8 @@ def plot_zero_memory(table, params, worlds, path) -> None:
             base = [b + h for b, h in zip(base, heights)]
         ax.scatter(xs, [zero_formula(s, world, False) for s in STAGES.values()], marker="_", s=400, color="black",
                    label="ZeRO formula (fp32 Adam)" if offset == 0 else None, zorder=3)
-        for x in xs:
-            ax.text(x, -0.9, f"N={world}", ha="center", fontsize=7)
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(STAGES))], list(STAGES.values()))
+    ticks = [i + width * offset for i in range(len(STAGES)) for offset in range(len(worlds))]
+    ax.set_xticks(ticks, [f"{stage}\nN={world}" for stage in STAGES.values() for world in worlds], fontsize=8)
     ax.set_ylabel("bytes per parameter, largest rank")
     ax.set_title("what each rank holds: measured (bars) against the ZeRO paper (lines)")
     ax.legend(fontsize=8)

@@ -1,0 +1,105 @@
+"""Render ``bench.json`` files (written by ``bench.py``) as the Markdown tables of
+``docs/benchmarks.md``, so the document is regenerated from a run rather than copied by hand.
+
+    python benchmarks/report.py bench_out/bench.json [more.json ...]
+
+Each file gives one table per model size; a file that holds layer-3 rows gets the columns that
+compare them with torch's FSDP2, and its ``zero_memory`` section becomes the bytes-per-parameter
+table.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from bench import IMPLS, SAME_STRATEGY, STAGES, ratios_to_ideal, sent_per_model, zero_formula
+
+LAYER_3 = {"fsdp2", "fsdp2_no_reshard", "fsdp1", "zero3", "zero3_grad_op"}
+
+
+def mib(values: list[float]) -> str:
+    return " / ".join(f"{v / 2**20:.0f}" if v >= 2**24 else f"{v / 2**20:.1f}" for v in values) or "-"
+
+
+def vs_ideal(row: dict) -> str:
+    return f"{row['vs_ideal']:.2f} ± {row['ratio_noise']:.2f}" if "vs_ideal" in row else "-"
+
+
+def exposed(row: dict) -> str:
+    return f"{row['exposed_ms']:.0f} ({100 * row['exposed_share']:.0f} %)" if "exposed_ms" in row else "-"
+
+
+def diff(row: dict) -> str:
+    value = row["max_param_diff_vs_ddp"]
+    return "-" if value != value else "0" if value == 0 else f"{value:.1e}"  # NaN: no reference
+
+
+def layer_12_row(impl: str, row: dict, ddp: float, world: int) -> list[str]:
+    overlap = f"{row['overlap']:.2f}" if row.get("overlap") is not None else "-"
+    return [IMPLS[impl], f"{row['median_step_s']:.3f}", f"{row['median_step_s'] / ddp:.2f}", vs_ideal(row),
+            exposed(row), overlap, mib(row["state_bytes"]), mib(row["grad_bytes"]), mib(row.get("peak_rss", [])),
+            f"{row['comm_bytes'] / 2**20:.1f}", str(row["comm_calls_python"]), diff(row)]
+
+
+def layer_3_row(impl: str, row: dict, rows: dict, ddp: float, world: int) -> list[str]:
+    same = rows.get(SAME_STRATEGY.get(impl, ""))
+    fsdp2 = f"{row['median_step_s'] / same['median_step_s']:.2f}" if same else "-"
+    return [IMPLS[impl], f"{row['median_step_s']:.3f}", f"{row['median_step_s'] / ddp:.2f}", fsdp2, vs_ideal(row),
+            mib(row.get("param_bytes", [])), mib(row["state_bytes"]), mib(row["grad_bytes"]),
+            mib(row.get("peak_rss", [])), f"{sent_per_model(row, world):.2f}", str(row["comm_calls_python"]),
+            diff(row)]
+
+
+LAYER_12_HEAD = ["implementation", "step s", "vs DDP", "vs ideal ± noise", "exposed ms (share)", "overlap",
+                 "state MiB/rank", "grads MiB/rank", "peak RSS MiB/rank", "MiB sent", "calls", "max abs diff"]
+LAYER_3_HEAD = ["implementation", "step s", "vs DDP", "vs FSDP2 (same strategy)", "vs ideal ± noise",
+                "params MiB/rank", "state MiB/rank", "grads MiB/rank", "peak RSS MiB/rank", "sent / model",
+                "calls", "max abs diff"]
+
+
+def markdown(head: list[str], body: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in body])
+
+
+def size_tables(report: dict, world: int) -> str:
+    parts = []
+    for size, rows in report.items():
+        ratios_to_ideal(rows)
+        ddp = rows["ddp"]["median_step_s"]
+        layer_3 = LAYER_3 & set(rows)
+        body = [layer_3_row(i, r, rows, ddp, world) if layer_3 else layer_12_row(i, r, ddp, world)
+                for i, r in rows.items()]
+        params = next(iter(rows.values()))["params"] / 1e6
+        parts.append(f"### {size} ({params:.1f}M parameters)\n\n" + markdown(LAYER_3_HEAD if layer_3 else LAYER_12_HEAD, body))
+    return "\n\n".join(parts)
+
+
+def zero_table(zero: dict) -> str:
+    worlds = [int(w) for w in zero["per_rank_bytes"]]
+    head = ["stage"] + [f"N={w}: measured / fp32 formula / mixed-precision formula" for w in worlds]
+    body = []
+    for impl, stage in STAGES.items():
+        cells = [stage]
+        for world in worlds:
+            held = zero["per_rank_bytes"][str(world)][impl]
+            worst = max(sum(part[r] for part in held.values()) for r in range(world)) / zero["params"]
+            cells.append(f"{worst:.2f} / {zero_formula(stage, world, False):.2f} / {zero_formula(stage, world, True):.2f}")
+        body.append(cells)
+    return markdown(head, body)
+
+
+def main() -> None:
+    for path in sys.argv[1:]:
+        run = json.loads(Path(path).read_text())
+        print(f"<!-- {run['meta']} -->\n")
+        print(size_tables(run["results"], run["meta"]["world"]))
+        if run.get("zero_memory"):
+            print(f"\n### Bytes per parameter per rank ({run['zero_memory']['params'] / 1e6:.1f}M parameters, fp32 Adam)\n")
+            print(zero_table(run["zero_memory"]))
+
+
+if __name__ == "__main__":
+    main()
