@@ -20,8 +20,13 @@ test: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(BIN)/torchrun --standalone --nproc-per-node 2 examples/train_gpt.py
 
+# Two launches: all fourteen implementations' 40M models at once need more memory than 24 GiB.
+LAYERS_12 := ideal,ddp,torch_zero,fairscale,zero1,zero2,zero2_fp16,zero2_compile,zero2_unused
+LAYER_3 := ideal,ddp,fsdp2,fsdp2_no_reshard,fsdp1,zero3,zero3_grad_op
 bench: $(VENV)/.installed
-	$(BIN)/python benchmarks/bench.py
+	$(BIN)/python benchmarks/bench.py --impls $(LAYERS_12) --zero-worlds '' --out bench_out/layers12
+	$(BIN)/python benchmarks/bench.py --impls $(LAYER_3) --out bench_out/layer3
+	$(BIN)/python benchmarks/report.py bench_out/layers12/bench.json bench_out/layer3/bench.json > bench_out/tables.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

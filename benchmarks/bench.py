@@ -565,7 +565,7 @@ def main() -> None:
                     rows[impl]["peak_rss"] = peak_rss(args.world, size, impl)
     print_table(report, args.world)
     out = Path(args.out)
-    out.mkdir(exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     zero = zero_memory(args.sizes[0], args.zero_worlds, out) if args.zero_worlds else None
     meta = {"world": args.world, "torch": torch.__version__, "machine": f"{platform.machine()}, {os.cpu_count()} cores",
             "backend": "nccl" if torch.cuda.is_available() else "gloo", "command": " ".join(sys.argv),
