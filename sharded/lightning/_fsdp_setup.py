@@ -88,6 +88,29 @@ class FSDPConfig:
         )
 
 
+def parse_strategy_arguments(
+    state_dict_type: str,
+    sharding_strategy: Any,
+    cpu_offload: Any,
+    mixed_precision: Any,
+    auto_wrap_policy: Any,
+    activation_checkpointing_policy: Any,
+    kwargs: dict[str, Any],
+) -> tuple[FSDPConfig, Optional[tuple[int, ...]], dict[str, Any]]:
+    """What an FSDP strategy's arguments mean, for the Trainer's and Fabric's alike: the config,
+    the hybrid mesh shape given as ``device_mesh=(replicate, shard)`` (or None), and the
+    launcher's own arguments (``start_method``). Pops those two from ``kwargs``; what is left
+    must be ``FullyShardedDataParallel``'s."""
+    if state_dict_type not in ("full", "sharded"):
+        raise ValueError(f"state_dict_type must be 'full' or 'sharded', got {state_dict_type!r}")
+    launch = {"start_method": kwargs.pop("start_method")} if "start_method" in kwargs else {}
+    mesh_shape = kwargs.pop("device_mesh") if isinstance(kwargs.get("device_mesh"), tuple) else None
+    config = FSDPConfig.from_arguments(
+        sharding_strategy, cpu_offload, mixed_precision, auto_wrap_policy, activation_checkpointing_policy, kwargs
+    )
+    return config, mesh_shape, launch
+
+
 def with_hybrid_mesh(
     config: FSDPConfig, shape: Optional[tuple[int, int]], device_type: str, nodes: int, processes_per_node: int
 ) -> FSDPConfig:

@@ -16,13 +16,12 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 from lightning.fabric.strategies import _StrategyRegistry
-from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
 from ..sharded_ddp import ShardedDataParallel
 from ._sharding import ShardingConfig, point_schedulers_at, shard_optimizers, wrap_stage2
-from .precision import ShardedPrecision, to_sharded_precision
+from .precision import ShardedPrecisionPlugin
 
 __all__ = ["ShardedDDPStrategy"]
 
@@ -30,7 +29,7 @@ __all__ = ["ShardedDDPStrategy"]
 _DDP_COMMUNICATION_ARGS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper")
 
 
-class ShardedDDPStrategy(DDPStrategy):
+class ShardedDDPStrategy(ShardedPrecisionPlugin, DDPStrategy):
     """Lightning's DDP strategy with the optimizer state (stage 1) or also the gradients (stage 2)
     sharded across ranks, by :class:`~sharded.OSS` and :class:`~sharded.ShardedDataParallel`.
 
@@ -79,17 +78,6 @@ class ShardedDDPStrategy(DDPStrategy):
     def stage(self) -> int:
         """The ZeRO stage: 1 (optimizer state sharded) or 2 (gradients too)."""
         return self._sharding.stage
-
-    # ------------------------------------------------------------------------ precision
-
-    @property  # type: ignore[override]
-    def precision_plugin(self) -> Precision:
-        """The precision plugin, always one that clips by the global norm (see ``precision``)."""
-        return self._precision_plugin if self._precision_plugin is not None else ShardedPrecision()
-
-    @precision_plugin.setter
-    def precision_plugin(self, plugin: Optional[Precision]) -> None:
-        self._precision_plugin = None if plugin is None else to_sharded_precision(plugin)
 
     # ------------------------------------------------------------------------ set-up
 

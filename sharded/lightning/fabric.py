@@ -28,7 +28,24 @@ from ._sharding import ShardingConfig, as_sharded_scaler, point_schedulers_at, s
 __all__ = ["ShardedDDPStrategy"]
 
 
-class ShardedDDPStrategy(DDPStrategy):
+class ShardedFabricPrecision:
+    """Mixin for a Fabric strategy: fp16 mixed precision scales with a ``ShardedGradScaler``
+    (whose inf/NaN check is agreed across ranks) instead of the plain scaler."""
+
+    _precision: Optional[Precision]
+
+    @property
+    def precision(self) -> Precision:
+        return self._precision if self._precision is not None else Precision()
+
+    @precision.setter
+    def precision(self, precision: Optional[Precision]) -> None:
+        if isinstance(precision, MixedPrecision):
+            precision.scaler = as_sharded_scaler(precision.scaler, precision.device)
+        self._precision = precision
+
+
+class ShardedDDPStrategy(ShardedFabricPrecision, DDPStrategy):
     """Fabric's DDP strategy with the optimizer state (stage 1) or also the gradients (stage 2)
     sharded, by :class:`~sharded.OSS` and :class:`~sharded.ShardedDataParallel`.
 
@@ -62,17 +79,6 @@ class ShardedDDPStrategy(DDPStrategy):
     def stage(self) -> int:
         """The ZeRO stage: 1 (optimizer state sharded) or 2 (gradients too)."""
         return self._sharding.stage
-
-    @property  # type: ignore[override]
-    def precision(self) -> Precision:
-        """The precision plugin; fp16 mixed precision scales with a ``ShardedGradScaler``."""
-        return self._precision if self._precision is not None else Precision()
-
-    @precision.setter
-    def precision(self, precision: Optional[Precision]) -> None:
-        if isinstance(precision, MixedPrecision):
-            precision.scaler = as_sharded_scaler(precision.scaler, precision.device)
-        self._precision = precision
 
     # ------------------------------------------------------------------------ set-up
 

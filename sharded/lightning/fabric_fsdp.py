@@ -19,7 +19,7 @@ import torch
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.plugins.precision import MixedPrecision, Precision
+from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
@@ -30,21 +30,22 @@ from torch.optim import Optimizer
 
 from . import _fsdp_checkpoint as checkpoints
 from ._fsdp_setup import (
-    FSDPConfig,
     ShardedRoot,
     checkpoint_activations,
     is_sharded,
+    parse_strategy_arguments,
     parameter_names,
     rebuild_optimizers,
     shard_module,
     with_hybrid_mesh,
 )
-from ._sharding import as_sharded_scaler, point_schedulers_at
+from ._sharding import point_schedulers_at
+from .fabric import ShardedFabricPrecision
 
 __all__ = ["ShardedFSDPStrategy"]
 
 
-class ShardedFSDPStrategy(DDPStrategy):
+class ShardedFSDPStrategy(ShardedFabricPrecision, DDPStrategy):
     """Fully sharded training (ZeRO-3) with sharded's layer 3 for Fabric; the arguments of
     Fabric's ``FSDPStrategy`` (see the Trainer's :class:`sharded.lightning.ShardedFSDPStrategy`
     for what each does). As with Fabric's own, ``state_dict_type`` defaults to ``"sharded"``:
@@ -68,12 +69,9 @@ class ShardedFSDPStrategy(DDPStrategy):
         state_dict_type: Literal["full", "sharded"] = "sharded",
         **kwargs: Any,
     ) -> None:
-        if state_dict_type not in ("full", "sharded"):
-            raise ValueError(f"state_dict_type must be 'full' or 'sharded', got {state_dict_type!r}")
-        launch = {"start_method": kwargs.pop("start_method")} if "start_method" in kwargs else {}
-        self._mesh_shape = kwargs.pop("device_mesh") if isinstance(kwargs.get("device_mesh"), tuple) else None
-        self._fsdp = FSDPConfig.from_arguments(
-            sharding_strategy, cpu_offload, mixed_precision, auto_wrap_policy, activation_checkpointing_policy, kwargs
+        self._fsdp, self._mesh_shape, launch = parse_strategy_arguments(
+            state_dict_type, sharding_strategy, cpu_offload, mixed_precision, auto_wrap_policy,
+            activation_checkpointing_policy, kwargs,
         )
         super().__init__(
             accelerator=accelerator,
@@ -88,17 +86,6 @@ class ShardedFSDPStrategy(DDPStrategy):
         self._state_dict_type = state_dict_type
         self._backward_sync_control = _NoSyncControl()
         self._modules: list[nn.Module] = []  # the modules set up, to name the optimizers' parameters
-
-    @property  # type: ignore[override]
-    def precision(self) -> Precision:
-        """The precision plugin; fp16 mixed precision scales with a ``ShardedGradScaler``."""
-        return self._precision if self._precision is not None else Precision()
-
-    @precision.setter
-    def precision(self, precision: Optional[Precision]) -> None:
-        if isinstance(precision, MixedPrecision):
-            precision.scaler = as_sharded_scaler(precision.scaler, precision.device)
-        self._precision = precision
 
     # ------------------------------------------------------------------------ set-up
 

@@ -29,15 +29,13 @@ from torch import nn
 from torch.optim import Optimizer
 
 from . import _fsdp_checkpoint as checkpoints
-from ._fsdp_setup import FSDPConfig, ShardedRoot, checkpoint_activations, is_sharded, shard_module, with_hybrid_mesh
-from .precision import ShardedPrecision, to_sharded_precision
+from ._fsdp_setup import ShardedRoot, checkpoint_activations, is_sharded, parse_strategy_arguments, shard_module, with_hybrid_mesh
+from .precision import ShardedPrecisionPlugin
 
 __all__ = ["ShardedFSDPStrategy"]
 
-_STATE_DICT_TYPES = ("full", "sharded")
 
-
-class ShardedFSDPStrategy(DDPStrategy):
+class ShardedFSDPStrategy(ShardedPrecisionPlugin, DDPStrategy):
     """Fully sharded training (ZeRO-3) with sharded's layer 3; a drop-in for Lightning's
     ``FSDPStrategy``: ``Trainer(strategy=ShardedFSDPStrategy(...))`` or
     ``Trainer(strategy="sharded_fsdp")`` once ``sharded.lightning`` is imported.
@@ -98,12 +96,9 @@ class ShardedFSDPStrategy(DDPStrategy):
         state_dict_type: Literal["full", "sharded"] = "full",
         **kwargs: Any,
     ) -> None:
-        if state_dict_type not in _STATE_DICT_TYPES:
-            raise ValueError(f"state_dict_type must be 'full' or 'sharded', got {state_dict_type!r}")
-        launch = {"start_method": kwargs.pop("start_method")} if "start_method" in kwargs else {}
-        self._mesh_shape = kwargs.pop("device_mesh") if isinstance(kwargs.get("device_mesh"), tuple) else None
-        self._fsdp = FSDPConfig.from_arguments(
-            sharding_strategy, cpu_offload, mixed_precision, auto_wrap_policy, activation_checkpointing_policy, kwargs
+        self._fsdp, self._mesh_shape, launch = parse_strategy_arguments(
+            state_dict_type, sharding_strategy, cpu_offload, mixed_precision, auto_wrap_policy,
+            activation_checkpointing_policy, kwargs,
         )
         super().__init__(
             accelerator=accelerator,
@@ -126,17 +121,6 @@ class ShardedFSDPStrategy(DDPStrategy):
     def sharding_strategy(self) -> Any:
         """The :class:`sharded.fsdp.ShardingStrategy` in use."""
         return self._fsdp.sharding_strategy
-
-    # ------------------------------------------------------------------------ precision
-
-    @property  # type: ignore[override]
-    def precision_plugin(self) -> Precision:
-        """The precision plugin, always one that clips by the norm over every rank's shards."""
-        return self._precision_plugin if self._precision_plugin is not None else ShardedPrecision()
-
-    @precision_plugin.setter
-    def precision_plugin(self, plugin: Optional[Precision]) -> None:
-        self._precision_plugin = None if plugin is None else to_sharded_precision(plugin)
 
     # ------------------------------------------------------------------------ set-up
 

@@ -27,6 +27,7 @@ __all__ = [
     "ShardedHalfPrecision",
     "ShardedMixedPrecision",
     "ShardedPrecision",
+    "ShardedPrecisionPlugin",
     "to_sharded_precision",
 ]
 
@@ -37,6 +38,21 @@ class _GlobalNormClipping:
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         """Clip the optimizer's gradients by their global norm (collective)."""
         clip_by_global_norm(optimizer, clip_val)
+
+
+class ShardedPrecisionPlugin:
+    """Mixin for a Trainer strategy: its ``precision_plugin`` is always one that clips by the
+    norm over every rank's shards (the plugin given, or the default, made sharded)."""
+
+    _precision_plugin: Optional[Precision]
+
+    @property
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else ShardedPrecision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        self._precision_plugin = None if plugin is None else to_sharded_precision(plugin)
 
 
 class ShardedPrecision(_GlobalNormClipping, Precision):
