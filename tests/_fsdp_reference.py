@@ -35,6 +35,12 @@ SGD = (torch.optim.SGD, dict(lr=0.05, momentum=0.9))
 ADAMW = (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1))
 
 
+def optimizers_for(optim, *models) -> list[torch.optim.Optimizer]:
+    """One optimizer of ``optim`` (a ``(class, kwargs)`` pair such as :data:`SGD`) per model."""
+    cls, kwargs = optim
+    return [cls(m.parameters(), **kwargs) for m in models]
+
+
 def full_tensors(tensors) -> list[torch.Tensor]:
     """Full copies, never aliases (collective for DTensors: every rank, in the same order)."""
     return [t.full_tensor().clone() if isinstance(t, DTensor) else t.detach().clone() for t in tensors]

@@ -21,7 +21,7 @@ from sharded import checkpoint
 from sharded.checkpoint import CheckpointError
 from tests._harness import run_on_ranks
 from tests._models import gpt
-from tests.test_checkpoint_resharding import ADAMW_LR, assert_holds_reference, build, save_with_reference, train
+from tests.test_checkpoint_resharding import ADAMW_LR, assert_holds_reference, build, train
 from tests.test_oss import _two_groups
 
 

@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from sharded import fully_shard
 from tests._fsdp_reference import (
+    optimizers_for,
     ADAMW,
     SGD,
     STEPS,
@@ -32,11 +33,6 @@ from tests._models import gpt, gpt_loss, token_batch
 WORLD_SIZES = [1, 2, 3]
 
 
-def _optimizers(optim, *models):
-    cls, kwargs = optim
-    return [cls(m.parameters(), **kwargs) for m in models]
-
-
 def _check_matches_ddp(rank, world):
     for reshard in (True, False):
         for optim in (SGD, ADAMW):
@@ -46,7 +42,7 @@ def _check_matches_ddp(rank, world):
             shard_gpt(ours, reshard_after_forward=reshard)
             assert list(ours.state_dict()) == keys, "fully_shard changed the state_dict keys"
             assert all(isinstance(p, DTensor) and p.placements == (Shard(0),) for p in ours.parameters())
-            train_both(zip((ref, ours), _optimizers(optim, ref, ours)), rank)
+            train_both(zip((ref, ours), optimizers_for(optim, ref, ours)), rank)
             assert_matches_ddp(ours, ref.module, what, optim)
 
 
@@ -65,7 +61,7 @@ def _check_uneven_shapes(rank, world):
         assert ours.scale.placements == (Replicate(),), "a 0-dim parameter is replicated"
         assert ours.row.to_local().shape[0] == (1 if rank == 0 else 0), "one row lives on rank 0"
         ddp = DDP(ref)
-        train_both(zip((ddp, ours), _optimizers(optim, ddp, ours)), rank, loss_fn=uneven_loss, batch_fn=uneven_batch)
+        train_both(zip((ddp, ours), optimizers_for(optim, ddp, ours)), rank, loss_fn=uneven_loss, batch_fn=uneven_batch)
         assert_matches_ddp(ours, ref, f"uneven shapes, {optim[0].__name__}", optim)
         assert_same_on_all_ranks([ours.scale.to_local()], "the replicated 0-dim parameter")
 
@@ -78,7 +74,7 @@ def test_uneven_dim0_zero_dim_and_one_row_parameters_match_ddp(world_size):
 def _check_tied_and_eval(rank, world):
     ref, ours = DDP(TiedGPT()), shard_gpt(TiedGPT())
     assert ours.head.weight is ours.tok.weight
-    ref_opt, our_opt = _optimizers(SGD, ref, ours)
+    ref_opt, our_opt = optimizers_for(SGD, ref, ours)
     train_both([(ref, ref_opt), (ours, our_opt)], rank, steps=3)
     with torch.no_grad():  # eval forwards with no backward: nothing stays gathered, nothing hangs
         ref.eval(), ours.eval()
@@ -95,7 +91,7 @@ def _check_buffers_unused_and_double_calls(rank, world):
     ours = MixedBag()
     for module in (ours.twice.inner, ours.twice, ours.two, ours):
         fully_shard(module)
-    ref_opt, our_opt = _optimizers(ADAMW, ref, ours)
+    ref_opt, our_opt = optimizers_for(ADAMW, ref, ours)
     train_both([(ref, ref_opt), (ours, our_opt)], rank)
     assert_matches_ddp(ours, ref.module, "buffers, unused parameters, a module called twice", ADAMW)
     for name, buffer in ours.named_buffers():
@@ -112,7 +108,7 @@ def test_tied_weights_eval_forwards_buffers_unused_and_double_calls_match_ddp(wo
 
 def _check_no_sync(rank, world):
     ref, ours = DDP(gpt()), shard_gpt(gpt())
-    ref_opt, our_opt = _optimizers(SGD, ref, ours)
+    ref_opt, our_opt = optimizers_for(SGD, ref, ours)
     for step in range(3):
         for model, opt in ((ref, ref_opt), (ours, our_opt)):
             opt.zero_grad()
@@ -153,7 +149,7 @@ def test_no_sync_accumulates_without_communication(world_size):
 
 def _check_freeze_unfreeze(rank, world):
     ref_model, ours = gpt(), shard_gpt(gpt())
-    ref_opt, our_opt = _optimizers(SGD, ref_model, ours)
+    ref_opt, our_opt = optimizers_for(SGD, ref_model, ours)
     step = 0
     for phase, trainable in enumerate((False, True, False, True)):
         for model in (ref_model, ours):  # part of one unit and part of the root frozen
@@ -181,7 +177,7 @@ def _check_explicit_prefetch_and_manual_unshard(rank, world):
     ours.set_modules_to_forward_prefetch([blocks[0], blocks[1]])  # the root gathers two blocks ahead
     for earlier, later in zip(blocks, blocks[1:]):
         later.set_modules_to_backward_prefetch([earlier])
-    ref_opt, our_opt = _optimizers(SGD, ref, ours)
+    ref_opt, our_opt = optimizers_for(SGD, ref, ours)
     for step in range(STEPS):
         handle = blocks[2].unshard(async_op=True)  # by hand, before the forward
         handle.wait()
@@ -202,13 +198,13 @@ def _check_distributed_checkpoint(rank, world, path):
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     ref, ours = DDP(gpt()), shard_gpt(gpt())
-    ref_opt, our_opt = _optimizers(ADAMW, ref, ours)
+    ref_opt, our_opt = optimizers_for(ADAMW, ref, ours)
     train_both([(ref, ref_opt), (ours, our_opt)], rank, steps=2)
     model_state, optim_state = get_state_dict(ours, our_opt)
     assert all(isinstance(v, DTensor) for v in model_state.values()), "DCP sees ordinary DTensors"
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
     resumed = shard_gpt(gpt(seed=3))
-    (resumed_opt,) = _optimizers(ADAMW, resumed)
+    (resumed_opt,) = optimizers_for(ADAMW, resumed)
     train_both([(resumed, resumed_opt)], rank, steps=1)  # give it optimizer state to overwrite
     model_state, optim_state = get_state_dict(resumed, resumed_opt)
     loaded = {"model": model_state, "optim": optim_state}

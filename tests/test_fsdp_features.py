@@ -15,6 +15,7 @@ from examples.gpt import GPT
 from sharded import ShardedGradScaler, fully_shard
 from sharded.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from tests._fsdp_reference import (
+    optimizers_for,
     ADAMW,
     SGD,
     STEPS,
@@ -33,11 +34,6 @@ from tests._models import gpt, gpt_loss, token_batch
 WORLD_SIZES = [1, 2, 3]
 
 
-def _optimizers(optim, *models):
-    cls, kwargs = optim
-    return [cls(m.parameters(), **kwargs) for m in models]
-
-
 # ------------------------------------------------------------------------ mixed precision
 
 
@@ -52,7 +48,7 @@ def _check_mixed_precision(rank, world):
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
         ref, ours = DDP(gpt()), shard_gpt(gpt(), mp_policy=policy)
         with CountCollectives() as counted:
-            train_both(zip((ref, ours), _optimizers(SGD, ref, ours)), rank)
+            train_both(zip((ref, ours), optimizers_for(SGD, ref, ours)), rank)
         params = list(ours.parameters())
         assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in params), "masters and grads stay fp32"
         if world > 1:
@@ -66,7 +62,7 @@ def _check_mixed_precision(rank, world):
 def _check_grad_scaler(rank, world):
     policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
     ours = shard_gpt(gpt(), mp_policy=policy)
-    (opt,) = _optimizers(SGD, ours)
+    (opt,) = optimizers_for(SGD, ours)
     scaler = ShardedGradScaler(init_scale=2.0**10, device="cpu")
     for step in range(4):
         opt.zero_grad()
@@ -96,7 +92,7 @@ def test_mixed_precision_keeps_fp32_masters_and_sharded_grad_scaler_skips_togeth
 def _check_cpu_offload(rank, world):
     ref, plain, offloaded = DDP(gpt()), shard_gpt(gpt()), shard_gpt(gpt(), offload_policy=CPUOffloadPolicy(pin_memory=True))
     assert all(p.to_local().device.type == "cpu" for p in offloaded.parameters()), "shards must live on the CPU"
-    train_both(zip((ref, plain, offloaded), _optimizers(ADAMW, ref, plain, offloaded)), rank)
+    train_both(zip((ref, plain, offloaded), optimizers_for(ADAMW, ref, plain, offloaded)), rank)
     assert all(p.grad.to_local().device.type == "cpu" for p in offloaded.parameters()), "gradients must land on the CPU"
     for a, b in zip(offloaded.parameters(), plain.parameters()):
         assert torch.equal(a.to_local(), b.to_local()), "offloading changed the numbers"
@@ -148,7 +144,7 @@ def _check_meta_init(rank, world):
         for r, full in zip(ref.parameters(), full_tensors(model.parameters())):
             r.copy_(full)
     ddp = DDP(ref)
-    train_both(zip((ddp, model), _optimizers(SGD, ddp, model)), rank, steps=2, batch_fn=_wide_batch)
+    train_both(zip((ddp, model), optimizers_for(SGD, ddp, model)), rank, steps=2, batch_fn=_wide_batch)
     assert_matches_ddp(model, ref, "meta-device init", steps=2)
 
 
@@ -181,7 +177,7 @@ class CheckpointedGPT(GPT):
 def _check_checkpointing(rank, world):
     for reshard in (True, False):
         ref, ours = DDP(gpt()), shard_gpt(CheckpointedGPT(), reshard_after_forward=reshard)
-        train_both(zip((ref, ours), _optimizers(SGD, ref, ours)), rank)
+        train_both(zip((ref, ours), optimizers_for(SGD, ref, ours)), rank)
         assert_matches_ddp(ours, ref.module, f"activation checkpointing, reshard_after_forward={reshard}")
 
 

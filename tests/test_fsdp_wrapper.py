@@ -19,7 +19,7 @@ from sharded import FullyShardedDataParallel as FSDP
 from sharded.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from sharded.fsdp._unit import units_under
 from sharded.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy, transformer_auto_wrap_policy
-from tests._fsdp_reference import ADAMW, SGD, assert_matches_ddp, full_tensors, train_both
+from tests._fsdp_reference import ADAMW, SGD, assert_matches_ddp, full_tensors, optimizers_for, train_both
 from tests._harness import run_on_ranks
 from tests._models import gpt, gpt_loss, token_batch
 
@@ -31,11 +31,6 @@ POLICIES = [
 ]
 
 
-def _optimizers(optim, *models):
-    cls, kwargs = optim
-    return [cls(m.parameters(), **kwargs) for m in models]
-
-
 def _check_strategies(rank, world):
     cases = [(s, o) for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD") for o in (SGD, ADAMW)]
     for index, (strategy, optim) in enumerate(cases):
@@ -43,7 +38,7 @@ def _check_strategies(rank, world):
         ref = DDP(gpt())
         ours = FSDP(gpt(), sharding_strategy=ShardingStrategy[strategy], **POLICIES[index % len(POLICIES)])
         assert len(units_under(ours)) == 3, f"{what}: each block and the root should be a unit"
-        ref_opt, our_opt = _optimizers(optim, ref, ours)
+        ref_opt, our_opt = optimizers_for(optim, ref, ours)
         for step in range(5):
             norms = []
             for model, opt in ((ref, ref_opt), (ours, our_opt)):
@@ -76,7 +71,7 @@ def _check_hybrid(rank, world):
         what = f"{strategy} {optim[0].__name__} over {list(where)[0]}"
         ref = DDP(gpt())
         ours = FSDP(gpt(), sharding_strategy=ShardingStrategy[strategy], auto_wrap_policy={Block}, **where)
-        train_both(zip((ref, ours), _optimizers(optim, ref, ours)), rank)
+        train_both(zip((ref, ours), optimizers_for(optim, ref, ours)), rank)
         assert_matches_ddp(ours.module, ref.module, what, optim)
         for p in ours.parameters():  # the two "nodes" hold identical shards
             local = p.to_local().reshape(-1)
@@ -91,7 +86,7 @@ def test_hybrid_shard_on_two_nodes_of_two_matches_ddp():
 
 def _check_state_dict_and_full_params(rank, world):
     ref, ours = DDP(gpt()), FSDP(gpt(), auto_wrap_policy={Block})
-    train_both(zip((ref, ours), _optimizers(SGD, ref, ours)), rank, steps=2)
+    train_both(zip((ref, ours), optimizers_for(SGD, ref, ours)), rank, steps=2)
     state = ours.state_dict()
     assert list(state) == list(ref.module.state_dict()), "keys must be the unwrapped model's"
     for key, value in ref.module.state_dict().items():
@@ -147,12 +142,12 @@ def _check_fsdp1_options(rank, world):
     for what, options in cases.items():
         ref = DDP(_net(), broadcast_buffers=False)
         ours = FSDP(_net(), ignored_modules=[], **options)
-        train_both(zip((ref, ours), _optimizers(ADAMW, ref, ours)), rank)
+        train_both(zip((ref, ours), optimizers_for(ADAMW, ref, ours)), rank)
         assert_matches_ddp(ours.module, ref.module, what, ADAMW)
     # mixed precision, as for fully_shard: bf16 rounding moves 5 SGD steps by ~2e-5, bound 2e-4
     ref = DDP(gpt())
     ours = FSDP(gpt(), mixed_precision=MixedPrecision(torch.bfloat16, torch.float32), auto_wrap_policy={Block})
-    train_both(zip((ref, ours), _optimizers(SGD, ref, ours)), rank)
+    train_both(zip((ref, ours), optimizers_for(SGD, ref, ours)), rank)
     worst = max((a - b).abs().max().item() for a, b in zip(full_tensors(ours.parameters()), ref.parameters()))
     assert 0 < worst <= 2e-4, f"bf16 mixed precision: max diff to fp32 DDP {worst:.3g}"
     fairscale = FSDP(gpt(), reshard_after_forward=False, mixed_precision=True, compute_dtype=torch.bfloat16,
@@ -165,7 +160,7 @@ def _check_fsdp1_options(rank, world):
     # sync_module_states: ranks built different weights, rank 0's win
     ref = DDP(_net(seed=0), broadcast_buffers=False)
     ours = FSDP(_net(seed=rank), sync_module_states=True, auto_wrap_policy={Block})
-    train_both(zip((ref, ours), _optimizers(SGD, ref, ours)), rank)
+    train_both(zip((ref, ours), optimizers_for(SGD, ref, ours)), rank)
     assert_matches_ddp(ours.module, ref.module, "sync_module_states")
     # ignored modules keep plain parameters and local gradients (frozen here, to compare with DDP)
     ref, ours = _net(), _net()
@@ -174,7 +169,7 @@ def _check_fsdp1_options(rank, world):
     ours = FSDP(ours, ignored_modules=[ours.ignored], auto_wrap_policy={Block})
     assert not isinstance(ours.module.ignored.weight, DTensor) and isinstance(ours.module.norm.weight, DTensor)
     ref = DDP(ref, broadcast_buffers=False)
-    train_both(zip((ref, ours), _optimizers(SGD, ref, ours)), rank)
+    train_both(zip((ref, ours), optimizers_for(SGD, ref, ours)), rank)
     assert_matches_ddp(ours.module, ref.module, "ignored_modules")
     # a meta-device model, materialised unit by unit by param_init_fn
     with torch.device("meta"):
@@ -193,7 +188,7 @@ def _check_fsdp1_options(rank, world):
     ours = FSDP(meta, param_init_fn=init, auto_wrap_policy={Block})
     assert "Block" not in initialised and "Linear" in initialised, "param_init_fn is called per submodule"
     ref = DDP(_net(), broadcast_buffers=False)
-    train_both(zip((ref, ours), _optimizers(SGD, ref, ours)), rank)
+    train_both(zip((ref, ours), optimizers_for(SGD, ref, ours)), rank)
     assert_matches_ddp(ours.module, ref.module, "meta init with param_init_fn")
 
 

@@ -17,7 +17,6 @@ import sys
 from functools import partial
 from typing import Any
 
-import lightning as L
 import pytest
 import torch
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_REGISTRY
