@@ -20,8 +20,9 @@ DDP rebuilds its buckets.
 A gradient that arrives after its bucket has left (the graph changed: a branch taken for the
 first time, one more reuse) is never dropped nor overwritten: it is kept aside and, after one
 small all-reduce in which the ranks agree which buckets need it, reduced in a second pass and
-added to the owner's result. Reduction is linear, so the result is the same; only that step
-pays the extra message.
+added to the owner's result. Reduction is linear, so the result is the same. The agreement is
+one small all-reduce at the end of every synced backward; only a step with late gradients pays
+the second reduce.
 
 Each bucket carries one extra element per parameter, 1 where the gradient was produced. After the
 reduce the owner knows which parameters no rank used, and leaves their gradients alone as DDP does.
@@ -179,7 +180,7 @@ class GradRouter:
         if self.world_size == 1:
             return
         self._begin_backward(current=None)
-        self._flush(learn=False)
+        self._flush(after_backward=False)
 
     # ------------------------------------------------------------------------- hot path
 
@@ -276,7 +277,7 @@ class GradRouter:
     def _on_backward_end(self) -> None:
         self._end_queued = False
         if self.phase is Phase.BACKWARD:
-            self._flush(learn=True)
+            self._flush(after_backward=True)
 
     def _fill(self, b: int) -> Fill:
         bw = self._pass
@@ -325,8 +326,10 @@ class GradRouter:
                 still_in_flight.append(entry)
         bw.in_flight = still_in_flight
 
-    def _flush(self, learn: bool) -> None:
-        """End of backward: launch what is left, reduce late gradients, hand out the results."""
+    def _flush(self, after_backward: bool) -> None:
+        """End of backward: launch what is left, reduce late gradients, hand out the results.
+        Only a real backward (``after_backward``) can have late gradients or teach the order;
+        an explicit ``reduce()`` skips the agreement on late gradients, since no hook fired."""
         bw = self._pass
         bw.flushed_at = time.perf_counter()
         with torch.profiler.record_function("sharded::flush_pending_reduces"):
@@ -337,11 +340,12 @@ class GradRouter:
                 param.grad = None
             for b in range(bw.next_launch, len(self.buckets)):
                 self._launch(b)
-            self._reduce_late_gradients()
+            if after_backward:
+                self._reduce_late_gradients()
             while bw.in_flight:
                 self._finish(*bw.in_flight.popleft())
         self.phase = Phase.REDUCED
-        if learn:
+        if after_backward:
             self._learn_from(bw)
 
     def _reduce_late_gradients(self) -> None:
