@@ -20,6 +20,11 @@ __all__ = ["snapshot_shard", "full_state_dict", "states_by_param", "restore_stat
 ParamState = dict[str, Any]
 
 
+def hyperparams(group: Mapping[str, Any]) -> dict[str, Any]:
+    """A param group's settings: everything but its ``params``."""
+    return {k: v for k, v in group.items() if k != "params"}
+
+
 def snapshot_shard(
     states: Mapping[torch.Tensor, ParamState], partition: Partition
 ) -> dict[int, ParamState]:
@@ -38,9 +43,8 @@ def full_state_dict(
     """A state dict in ``torch.optim.Optimizer.state_dict()`` format."""
     groups, start = [], 0
     for group in param_groups:
-        hyperparams = {k: v for k, v in group.items() if k != "params"}
         size = len(group["params"])
-        groups.append({**hyperparams, "params": list(range(start, start + size))})
+        groups.append({**hyperparams(group), "params": list(range(start, start + size))})
         start += size
     return {"state": dict(sorted(states.items())), "param_groups": groups}
 

@@ -22,7 +22,7 @@ from ._broadcast import make_resident, plan_broadcasts, release_residents, start
 from ._checks import as_param_groups, check_optimizer_class, check_param_list, check_same_across_ranks, param_list
 from ._norm import clip_by_global_norm
 from ._partition import Partition
-from ._state_dict import full_state_dict, restore_state, snapshot_shard, states_by_param
+from ._state_dict import full_state_dict, hyperparams, restore_state, snapshot_shard, states_by_param
 
 __all__ = ["OSS"]
 
@@ -99,7 +99,7 @@ class OSS(Optimizer):
         partition = Partition.build([g["params"] for g in self.param_groups], self.world_size)
         owned = partition.owned_by_group(self.rank)
         self.optim = optim(
-            [{**_hyperparams(g), "params": mine} for g, mine in zip(self.param_groups, owned)],
+            [{**hyperparams(g), "params": mine} for g, mine in zip(self.param_groups, owned)],
             **defaults,
         )
         self.state = self.optim.state
@@ -118,7 +118,7 @@ class OSS(Optimizer):
         """For each rank, the param groups its optimizer steps (groups may be empty)."""
         return [
             [
-                {**_hyperparams(group), "params": mine}
+                {**hyperparams(group), "params": mine}
                 for group, mine in zip(self.param_groups, self._partition.owned_by_group(rank))
             ]
             for rank in range(self.world_size)
@@ -224,7 +224,7 @@ class OSS(Optimizer):
         self._check_same_params_on_all_ranks()
         partition = self._partition.with_group(self.param_groups[-1]["params"])
         mine = partition.owned_by_group(self.rank)[-1]
-        self.optim.add_param_group({**_hyperparams(self.param_groups[-1]), "params": mine})
+        self.optim.add_param_group({**hyperparams(self.param_groups[-1]), "params": mine})
         self._install(partition)
         self._pull_hyperparams()
 
@@ -332,7 +332,7 @@ class OSS(Optimizer):
         """
         states = states_by_param(state_dict, self._partition, self.rank)
         for group, saved in zip(self.param_groups, state_dict["param_groups"]):
-            group.update(_hyperparams(saved))
+            group.update(hyperparams(saved))
         self._push_hyperparams()
         self.optim.state.clear()
         owner = self._partition.owner_of()
@@ -344,12 +344,12 @@ class OSS(Optimizer):
     def _push_hyperparams(self) -> None:
         """Copy hyperparameters set on ``self.param_groups`` (by users, schedulers) inward."""
         for outer, inner in zip(self.param_groups, self.optim.param_groups):
-            inner.update(_hyperparams(outer))
+            inner.update(hyperparams(outer))
 
     def _pull_hyperparams(self) -> None:
         """Copy hyperparameters the wrapped optimizer set or added outward."""
         for outer, inner in zip(self.param_groups, self.optim.param_groups):
-            outer.update(_hyperparams(inner))
+            outer.update(hyperparams(inner))
 
     def _check_new_group(self, params: list[Any]) -> None:
         """Raise unless ``params`` are valid parameters that no existing group holds."""
@@ -379,7 +379,4 @@ class OSS(Optimizer):
             )
             self._warned_trainability_change = True
 
-
-def _hyperparams(group: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in group.items() if k != "params"}
 

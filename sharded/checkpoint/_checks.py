@@ -106,8 +106,9 @@ def _check_group(g: int, saved: Mapping[str, Any], group: Mapping[str, Any], che
             "that is a full (torch-format) optimizer state dict; load it with "
             "optimizer.load_state_dict()"
         )
-    missing = [n for n in names if n not in set(saved_names)]
-    unexpected = [n for n in saved_names if n not in set(names)]
+    saved, expected = set(saved_names), set(names)
+    missing = [n for n in names if n not in saved]
+    unexpected = [n for n in saved_names if n not in expected]
     if missing or unexpected:
         parts = ([f"lacks {_listing(missing)}"] if missing else []) + (
             [f"has {_listing(unexpected)} which the optimizer here does not"] if unexpected else []

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+from .._state_dict import hyperparams
 from ..oss import OSS
 from ._checks import CheckpointError, Shape, check_entries, check_param_groups, check_state_shapes
 from ._names import Optimizers, as_optimizer_list, inner_optimizer_class, optimizer_fqns, param_fqns, unwrap
@@ -85,7 +86,7 @@ def optimizer_entries(optimizers: list[Optimizer], names: dict[torch.Tensor, str
     groups, classes = [], []
     for optimizer in optimizers:
         for group, fqns in zip(optimizer.param_groups, optimizer_fqns(optimizer, names, rank)):
-            groups.append({**_hyperparams(group), "params": fqns})
+            groups.append({**hyperparams(group), "params": fqns})
             classes.append(inner_optimizer_class(optimizer))
         state.update({names[p]: dict(held) for p, held in _held_states(optimizer).items()})
     return {"state": state, "param_groups": groups, "classes": classes}
@@ -120,7 +121,7 @@ def _optimizer_loads(
         index_of = {fqn: i for i, fqn in enumerate(chain.from_iterable(fqns))}
         saved_groups = saved["param_groups"][start : start + len(fqns)]
         start += len(fqns)
-        groups = [{**_hyperparams(g), "params": [index_of[f] for f in group]} for g, group in zip(saved_groups, fqns)]
+        groups = [{**hyperparams(g), "params": [index_of[f] for f in group]} for g, group in zip(saved_groups, fqns)]
         held = {index_of[f]: dict(s) for f, s in saved["state"].items() if f in index_of and s}
         loads.append((optimizer, {"state": held, "param_groups": groups}))
     return loads
@@ -176,10 +177,6 @@ def is_dtensor(value: Any) -> bool:
 
 def _shapes(entries: Mapping[str, Any]) -> dict[str, Shape]:
     return {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in entries.items()}
-
-
-def _hyperparams(group: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in group.items() if k != "params"}
 
 
 def _rank() -> int:

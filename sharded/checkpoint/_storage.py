@@ -20,7 +20,7 @@ import zipfile
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Union
+from typing import IO, Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from ._checks import CheckpointError
+from ._paths import KeyPath
 
 __all__ = ["METADATA_FILE", "DataOnlyPlanner", "Index", "VerifyingReader", "read_index"]
 
@@ -46,7 +47,6 @@ _SAFE_GLOBALS = {
 }
 
 
-KeyPath = tuple[Union[str, int], ...]
 
 
 @dataclass(frozen=True)
