@@ -9,6 +9,7 @@ run code: a crafted index and a crafted value both try to create a marker file.
 
 from __future__ import annotations
 
+import copy
 import os
 import pickle
 import shutil
@@ -117,19 +118,24 @@ def _deeper_zero2():
 
 
 def _snapshot(state):
-    """A deep copy of ``state`` to compare against (tensors cloned)."""
-    return {k: _snapshot(v) if isinstance(v, dict) else (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+    """A deep copy of ``state`` to compare against: nested dicts and lists (param groups) are
+    copied too, so a load that changed them in place is seen."""
+    return copy.deepcopy(state)
 
 
 def _assert_unchanged(state, before, what):
-    assert state.keys() == before.keys(), f"{what}: keys changed"
-    for key, value in before.items():
-        if isinstance(value, dict):
-            _assert_unchanged(state[key], value, what)
-        elif isinstance(value, torch.Tensor):
-            assert torch.equal(state[key], value), f"{what}: {key} changed"
-        else:
-            assert state[key] == value, f"{what}: {key} changed"
+    if isinstance(before, dict):
+        assert state.keys() == before.keys(), f"{what}: keys changed"
+        for key, value in before.items():
+            _assert_unchanged(state[key], value, f"{what}: {key}")
+    elif isinstance(before, (list, tuple)):
+        assert len(state) == len(before), f"{what} changed length"
+        for index, value in enumerate(before):
+            _assert_unchanged(state[index], value, f"{what}[{index}]")
+    elif isinstance(before, torch.Tensor):
+        assert torch.equal(state, before), f"{what} changed"
+    else:
+        assert state == before, f"{what} changed"
 
 
 def _check_bad_checkpoints_load_nothing(rank, world, root):
