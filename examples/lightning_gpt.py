@@ -146,7 +146,9 @@ def main() -> None:
     trainer.fit(module, train_loader, ckpt_path=str(resume) if args.resume and resume.exists() else None)
     after = trainer.validate(module, val_loader, verbose=False)[0]["val_loss"]
     if trainer.is_global_zero:
-        print(f"{args.strategy}: validation loss {before:.6f} -> {after:.6f} after {trainer.global_step} steps")
+        print(f"{args.strategy}: validation loss {before:.6f} -> {after:.6f} after {trainer.global_step} steps", flush=True)
+    if torch.distributed.is_initialized():  # Lightning leaves it up; gloo's threads must not outlive it
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
