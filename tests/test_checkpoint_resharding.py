@@ -263,6 +263,12 @@ def test_files_are_standard_dcp_checkpoints_that_torch_reads_and_writes(saved, t
     load_into(other, other_optimizer, tmp_path / "written-by-dcp")
     assert_full_equal(checkpoint.get_state_dict(other, other_optimizer, full=True), reference, "written by dcp.save")
 
+    # torch's own state dict (no "classes" entry: the param groups' keys are compared instead)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp_path / "torchs-own")
+    other, _, other_optimizer = build("plain", seed=3)
+    load_into(other, other_optimizer, tmp_path / "torchs-own")
+    assert_full_equal(checkpoint.get_state_dict(other, other_optimizer, full=True), reference, "torch's state dict")
+
 
 # ------------------------------------------------------------------ torch's own fully_shard
 
@@ -309,3 +315,61 @@ def test_models_under_torchs_own_fully_shard_exchange_checkpoints_with_zero(tmp_
     """A user of torch's FSDP2 moves to or from sharded's ZeRO-1/2 through the same functions:
     uneven DTensor shards at world 3, both directions."""
     run_on_ranks(_check_dtensor_models_round_trip, 3, tmp_path, timeout=180)
+
+
+# ------------------------------------------------------------ torch's dcp.load into our template
+
+TORCH_LOADED_SOURCES = ("ddp-w2", "zero1-w2", "zero2-w2", "zero3-w2")
+
+
+def _torch_dcp_load_into_every_layer(rank, world, root):
+    """torch's recipe with our state-dict functions: a fresh optimizer's template holds
+    placeholder state of the right shapes, ``dcp.load`` fills it, and the result is exact."""
+    for name in TORCH_LOADED_SOURCES:
+        reference = torch.load(root / f"{name}.pt", weights_only=True)
+        for layer in LAYERS[:-1]:
+            what = f"{name} read by torch's dcp.load as {layer} at world {world}"
+            model, wrapped, optimizer = build(layer, seed=1)
+            state = checkpoint.get_state_dict(wrapped, optimizer)
+            dcp.load(state, checkpoint_id=root / name)
+            checkpoint.set_state_dict(wrapped, optimizer, state)
+            assert_holds_reference(wrapped, optimizer, reference, what)
+    _check_unfilled_templates_are_refused(rank, world, root)
+
+
+def _check_unfilled_templates_are_refused(rank, world, root):
+    """A template nothing filled (no load, or a partial load of a checkpoint without optimizer
+    state) is refused by name on every rank, and neither model nor optimizer changes. Saving a
+    fresh optimizer's template writes no placeholders: resuming from it is starting afresh."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    model_only = root / f"model-only-w{world}"
+    model, wrapped, optimizer = build("zero2")
+    checkpoint.save({"model": checkpoint.get_state_dict(wrapped)["model"]}, model_only)
+    for layer in ("zero2", "zero3"):
+        model, wrapped, optimizer = build(layer, seed=1)
+        for how in ("not loaded", "partially loaded"):
+            state = checkpoint.get_state_dict(wrapped, optimizer)
+            if how == "partially loaded":
+                dcp.load(state, checkpoint_id=model_only, planner=DefaultLoadPlanner(allow_partial_load=True))
+            before = [t.clone() for t in full_tensors(model.parameters())]
+            with pytest.raises(checkpoint.CheckpointError, match=rf"rank {rank}: .*optimizer state of [a-z].* is still the placeholder"):
+                checkpoint.set_state_dict(wrapped, optimizer, state)
+            assert not optimizer.state, f"{layer}, {how}: optimizer state was loaded"
+            after = full_tensors(model.parameters())
+            assert all(torch.equal(a, b) for a, b in zip(before, after)), f"{layer}, {how}: the model changed"
+        checkpoint.save(checkpoint.get_state_dict(wrapped, optimizer), root / f"fresh-{layer}-w{world}")
+        resumed_model, resumed, resumed_optimizer = build(layer, seed=2)
+        load_into(resumed, resumed_optimizer, root / f"fresh-{layer}-w{world}")
+        assert not resumed_optimizer.state, f"{layer}: a fresh optimizer's checkpoint brought state"
+        train(wrapped, optimizer, rank, 1)
+        train(resumed, resumed_optimizer, rank, 1)
+        assert all(torch.equal(a, b) for a, b in zip(full_tensors(model.parameters()), full_tensors(resumed_model.parameters())))
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_torchs_dcp_load_fills_the_template_of_a_fresh_optimizer(saved, world_size):
+    """Issue #17: ``dcp.load`` into ``get_state_dict``'s template of an optimizer that has not
+    stepped used to load no optimizer state at all, silently; our own :func:`checkpoint.load`
+    is covered by the matrix above."""
+    run_on_ranks(_torch_dcp_load_into_every_layer, world_size, saved, timeout=180)

@@ -17,9 +17,9 @@ Resume (collective; any world size, ZeRO-1 <-> ZeRO-2 <-> ZeRO-3 <-> plain singl
 Keys are the FQNs of the unwrapped model, and optimizer state is filed under its parameter's
 FQN, so checkpoints do not depend on the world size, the sharding layer or parameter order.
 The files are a standard DCP checkpoint: ``torch.distributed.checkpoint.save`` can write the
-state dict too, and ``torch.distributed.checkpoint.load`` can read it into a template whose
-optimizer state already exists (a fresh optimizer has none, which is why :func:`load` builds it
-from the checkpoint instead). :func:`load` also refuses to run code from the files, which DCP's
+state dict too, and ``torch.distributed.checkpoint.load`` can fill the template in place (a fresh
+optimizer's template holds placeholder state for it to fill; :func:`set_state_dict` refuses
+placeholders nothing filled). :func:`load` also refuses to run code from the files, which DCP's
 own reader does not guarantee. ``get_state_dict(..., full=True)`` gives rank 0 a plain torch
 state dict for export.
 

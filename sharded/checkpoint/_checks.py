@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
-__all__ = ["CheckpointError", "check_entries", "check_param_groups", "check_state_shapes"]
+__all__ = ["CheckpointError", "check_entries", "check_filled", "check_param_groups", "check_state_shapes"]
 
 Shape = Optional[tuple[int, ...]]  # None for a value that is not a tensor
 _LISTED = 6  # names quoted in one message before "and N more"
@@ -87,6 +87,19 @@ def check_state_shapes(fqn: str, state: Mapping[str, Shape], param_shape: tuple[
             )
 
 
+def check_filled(unfilled: Sequence[str], rank: int, source: str) -> None:
+    """Raise if parameters ``unfilled`` still hold the placeholder optimizer state that
+    ``get_state_dict`` makes for an optimizer that has not stepped: nothing loaded into them,
+    and taking them would silently restart the optimizer."""
+    if unfilled:
+        raise CheckpointError(
+            f"rank {rank}: {source}: the optimizer state of {_listing(unfilled)} is still the "
+            "placeholder get_state_dict made for an optimizer that has not stepped; no checkpoint "
+            "filled it (the checkpoint lacks that state, or a partial load skipped it). Fill it "
+            "with sharded.checkpoint.load or torch.distributed.checkpoint.load; nothing was loaded"
+        )
+
+
 def _check_classes(saved: Optional[Sequence[str]], expected: Optional[Sequence[str]], rank: int, source: str) -> None:
     if saved is None or expected is None:
         return
@@ -106,9 +119,9 @@ def _check_group(g: int, saved: Mapping[str, Any], group: Mapping[str, Any], che
             "that is a full (torch-format) optimizer state dict; load it with "
             "optimizer.load_state_dict()"
         )
-    saved, expected = set(saved_names), set(names)
-    missing = [n for n in names if n not in saved]
-    unexpected = [n for n in saved_names if n not in expected]
+    saved_set, expected_set = set(saved_names), set(names)
+    missing = [n for n in names if n not in saved_set]
+    unexpected = [n for n in saved_names if n not in expected_set]
     if missing or unexpected:
         parts = ([f"lacks {_listing(missing)}"] if missing else []) + (
             [f"has {_listing(unexpected)} which the optimizer here does not"] if unexpected else []

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ._checks import CheckpointError, check_entries, check_param_groups, check_state_shapes
 from ._paths import KeyPath, covered, leaves, nest, reaches, set_at
 from ._ranks import Ranks
-from ._state_dict import is_dtensor
+from ._tensors import is_dtensor
 
 if TYPE_CHECKING:
     from ._storage import Index, VerifyingReader

@@ -20,6 +20,7 @@ from typing import Any, Mapping, Optional, Union
 import torch.distributed as dist
 
 from ._checks import CheckpointError
+from ._placeholders import without_placeholders
 from ._ranks import Ranks
 
 __all__ = ["latest_checkpoint", "save"]
@@ -36,7 +37,9 @@ def save(
     """Save ``state`` (e.g. from :func:`get_state_dict`) with DCP as directory ``checkpoint_id``,
     visible only once complete. Collective; returns the directory.
 
-    Every rank writes what it holds, in parallel; rank 0 holds nothing extra. Works without an
+    Every rank writes what it holds, in parallel; rank 0 holds nothing extra. Placeholder
+    optimizer state (of an optimizer that has not stepped) is left out: the checkpoint holds
+    only state the optimizer has. Works without an
     initialized process group too (one process). Raises ``FileExistsError`` if the directory
     exists: checkpoints are never overwritten in place.
     """
@@ -51,7 +54,7 @@ def save(
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.save(
-                dict(state),
+                without_placeholders(state),
                 storage_writer=dcp.FileSystemWriter(partial),
                 process_group=ranks.group,
                 no_dist=not ranks.distributed,

@@ -8,16 +8,18 @@ model::
                "param_groups": [{"lr": ..., "params": [fqn, ...]}, ...],
                "classes": ["torch.optim.adamw.AdamW", ...]}}   # one per param group
 
-Every rank lists in ``optim.state`` exactly the parameters whose optimizer state it keeps (an
-empty dict for one that has none yet): with ``OSS`` that is the parameters the rank owns, with a
-plain optimizer all of them. Values are the live tensors, not copies, so building it costs
-nothing; DCP writes each replicated tensor once, and each rank its own shard.
+Every rank lists in ``optim.state`` exactly the parameters whose optimizer state it keeps: with
+``OSS`` that is the parameters the rank owns, with a plain optimizer all of them. Values are the
+live tensors, not copies, so building it costs nothing; DCP writes each replicated tensor once,
+and each rank its own shard. An optimizer that has not stepped yet has no state: its trainable
+parameters get placeholders of the right shapes instead (``_placeholders``), so that any loader,
+torch's ``dcp.load`` included, has something to fill, and :func:`set_state_dict` can tell a
+template nothing filled. A parameter with no state (frozen, or never given a gradient) gets ``{}``.
 """
 
 from __future__ import annotations
 
 import copy
-import sys
 from itertools import chain
 from typing import Any, Mapping, Optional
 
@@ -28,10 +30,12 @@ from torch.optim import Optimizer
 
 from .._state_dict import hyperparams
 from ..oss import OSS
-from ._checks import CheckpointError, Shape, check_entries, check_param_groups, check_state_shapes
+from ._checks import CheckpointError, Shape, check_entries, check_filled, check_param_groups, check_state_shapes
 from ._names import Optimizers, as_optimizer_list, inner_optimizer_class, optimizer_fqns, param_fqns, unwrap
+from ._placeholders import placeholder_states, unfilled_params
+from ._tensors import is_dtensor
 
-__all__ = ["get_state_dict", "is_dtensor", "optimizer_entries", "set_state_dict"]
+__all__ = ["get_state_dict", "optimizer_entries", "set_state_dict"]
 
 
 def get_state_dict(model: nn.Module, optimizers: Optimizers = (), *, full: bool = False) -> dict[str, Any]:
@@ -46,10 +50,13 @@ def get_state_dict(model: nn.Module, optimizers: Optimizers = (), *, full: bool 
     Sharded (default): every rank returns what it holds and nothing more; ``OSS`` ranks list
     only the optimizer state of the parameters they own, so no rank ever holds the whole
     optimizer state; under ZeRO-3 parameters and their element-wise optimizer state are
-    DTensors holding this rank's shard. Full: rank 0 gets CPU copies in plain torch format,
-    ``{"model": model.state_dict(), "optim": optimizer.state_dict()}`` (a list of optimizer
-    dicts if a list was passed), loadable by the unwrapped model and a plain optimizer; other
-    ranks get ``{}``.
+    DTensors holding this rank's shard. An optimizer that has not stepped gets placeholder
+    state (zeros of the shapes it would create) for a loader to fill; :func:`save` leaves
+    placeholders out, and :func:`set_state_dict` refuses them if nothing filled them.
+
+    Full: rank 0 gets CPU copies in plain torch format, ``{"model": model.state_dict(),
+    "optim": optimizer.state_dict()}`` (a list of optimizer dicts if a list was passed),
+    loadable by the unwrapped model and a plain optimizer; other ranks get ``{}``.
     """
     module, listed = unwrap(model), as_optimizer_list(optimizers)
     if full:
@@ -71,6 +78,7 @@ def set_state_dict(model: nn.Module, optimizers: Optimizers, state: Mapping[str,
     """
     module, listed, rank = unwrap(model), as_optimizer_list(optimizers), _rank()
     source = f"rank {rank}'s state dict"
+    check_filled(unfilled_params(state.get("optim", {}).get("state", {})), rank, source)
     if "model" in state:
         check_entries(_shapes(module.state_dict()), _shapes(state["model"]), "model", rank, source)
     loads = _optimizer_loads(listed, state, param_fqns(module), rank, source) if listed else []
@@ -82,25 +90,31 @@ def set_state_dict(model: nn.Module, optimizers: Optimizers, state: Mapping[str,
 
 def optimizer_entries(optimizers: list[Optimizer], names: dict[torch.Tensor, str], rank: int) -> dict[str, Any]:
     """The ``"optim"`` part of the sharded form for ``optimizers`` (live tensors, no copies)."""
-    state: dict[str, dict[str, Any]] = {}
+    state = {names[p]: dict(held) for optimizer in optimizers for p, held in _held_states(optimizer).items()}
+    return {"state": state, **_optimizer_description(optimizers, names, rank)}
+
+
+def _optimizer_description(optimizers: list[Optimizer], names: dict[torch.Tensor, str], rank: int) -> dict[str, Any]:
+    """The param groups (hyperparameters and parameter FQNs) and the class of each."""
     groups, classes = [], []
     for optimizer in optimizers:
         for group, fqns in zip(optimizer.param_groups, optimizer_fqns(optimizer, names, rank)):
             groups.append({**hyperparams(group), "params": fqns})
             classes.append(inner_optimizer_class(optimizer))
-        state.update({names[p]: dict(held) for p, held in _held_states(optimizer).items()})
-    return {"state": state, "param_groups": groups, "classes": classes}
+    return {"param_groups": groups, "classes": classes}
 
 
 def _held_states(optimizer: Optimizer) -> dict[torch.Tensor, Mapping[str, Any]]:
-    """Parameter -> its optimizer state, for every parameter whose state this rank keeps."""
+    """Parameter -> its optimizer state, for every parameter whose state this rank keeps;
+    placeholders when the optimizer that steps them has no state at all yet."""
     if isinstance(optimizer, OSS):
         partition = optimizer.partition
         kept = [partition.params[i] for i in partition.owned_indices(optimizer.rank)]
-        table = optimizer.optim.state
+        stepping = optimizer.optim
     else:
         kept = [p for group in optimizer.param_groups for p in group["params"]]
-        table = optimizer.state
+        stepping = optimizer
+    table: Mapping[torch.Tensor, Mapping[str, Any]] = stepping.state or placeholder_states(stepping, kept)
     return {p: table.get(p, {}) for p in kept}
 
 
@@ -111,7 +125,7 @@ def _optimizer_loads(
     if "optim" not in state:
         raise CheckpointError(f"rank {rank}: {source} has no 'optim' entry for the optimizers")
     saved = state["optim"]
-    check_param_groups(saved, optimizer_entries(optimizers, names, rank), rank, source)
+    check_param_groups(saved, _optimizer_description(optimizers, names, rank), rank, source)
     param_of = {fqn: p for p, fqn in names.items()}
     for fqn, held in saved["state"].items():
         check_state_shapes(fqn, _shapes(held), tuple(param_of[fqn].shape), rank, source)
@@ -167,12 +181,6 @@ def _full_copy(value: Any, keep: bool) -> Any:
 
 
 # -------------------------------------------------------------------------------- helpers
-
-
-def is_dtensor(value: Any) -> bool:
-    """Whether ``value`` is a DTensor, without importing DTensor (slow) when none can exist."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(value, module.DTensor)
 
 
 def _shapes(entries: Mapping[str, Any]) -> dict[str, Shape]:
