@@ -12,11 +12,12 @@ too). ``--stage ddp,1,2,3`` trains each in turn from the same weights on the sam
 compares what each rank holds at the end (a table and ``<out>/memory.png``).
 
 Checkpoints are sharded (``sharded.checkpoint``, on torch.distributed.checkpoint): every
-``--save-every`` steps each rank writes what it holds to ``<out>/checkpoints/stage-S/step-N``,
-which appears atomically once complete. ``--resume`` continues from the latest complete one, at
-any number of ranks. If a rank dies, the others stop within ``--timeout`` seconds; under
-``torchrun --max-restarts N`` the job restarts and resumes, ending exactly where an uninterrupted
-run ends (the batches of a step depend only on the step and the rank).
+``--save-every`` steps and after the last (``--save-every 0``: after the last only) each rank
+writes what it holds to ``<out>/checkpoints/stage-S/step-N``, which appears atomically once
+complete. ``--resume`` continues from the latest complete one, at any number of ranks. If a rank
+dies, the others stop within ``--timeout`` seconds; under ``torchrun --max-restarts N`` the job
+restarts and resumes, ending exactly where an uninterrupted run ends (the batches of a step
+depend only on the step and the rank).
 
 On GPUs the same script uses NCCL, one rank per GPU (``--nproc-per-node`` = GPUs per node). Across
 machines use torchrun's usual rendezvous instead of ``--standalone``, on every node::
@@ -128,7 +129,7 @@ def train_stage(stage: str, args, device, train: torch.Tensor, val: torch.Tensor
         progress.set_postfix(loss=f"{loss.item() * args.accumulate:.3f}", tok_s=f"{tokens_per_step / (now - tick):,.0f}")
         progress.update()
         tick = now
-        if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
+        if checkpoint_due(step + 1, args):
             save(checkpoints, step + 1, wrapped, optimizer, scaler)
     progress.close()
     final_val = validation_loss(wrapped, val, args, device)
@@ -140,6 +141,12 @@ def train_stage(stage: str, args, device, train: torch.Tensor, val: torch.Tensor
         "grads": gather(grads if args.steps > start else 0, device),
         "state": gather(state, device),
     }
+
+
+def checkpoint_due(done: int, args) -> bool:
+    """Whether to save after ``done`` steps: every ``--save-every`` steps and at the end
+    (``--save-every 0``: at the end only)."""
+    return done == args.steps or (args.save_every > 0 and done % args.save_every == 0)
 
 
 def save(root: Path, step: int, model: nn.Module, optimizer, scaler) -> None:
@@ -252,7 +259,8 @@ def main() -> None:
     parser.add_argument("--amp", choices=("off", "bf16", "fp16"), default="off")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the latest complete checkpoint in <out>/checkpoints/stage-S")
-    parser.add_argument("--save-every", type=int, default=50, help="steps between checkpoints")
+    parser.add_argument("--save-every", type=int, default=50,
+                        help="steps between checkpoints; one is always saved at the end (0: only then)")
     parser.add_argument("--timeout", type=float, default=300,
                         help="seconds a collective waits for a peer before failing (a dead rank is noticed within it)")
     parser.add_argument("--crash-at", type=int, default=None, help="rank 1 dies (SIGKILL) at this step, once")
@@ -265,6 +273,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--val-batches", type=int, default=8)
     args = parser.parse_args()
+    if args.save_every < 0:
+        parser.error(f"--save-every must be 0 (save at the end only) or a number of steps, got {args.save_every}")
 
     use_cuda = torch.cuda.is_available()
     init_process_group("nccl" if use_cuda else "gloo", datetime.timedelta(seconds=args.timeout))

@@ -65,12 +65,13 @@ def _check_hybrid(rank, world):
     cases = [
         ("HYBRID_SHARD", SGD, dict(device_mesh=mesh)),
         ("HYBRID_SHARD", ADAMW, dict(process_group=(shard_group, replicate_group))),
-        ("_HYBRID_SHARD_ZERO2", SGD, dict(device_mesh=mesh)),
+        ("_HYBRID_SHARD_ZERO2", SGD, dict(device_mesh=mesh, sync_module_states=True)),  # rank 0's weights win
     ]
     for strategy, optim, where in cases:
-        what = f"{strategy} {optim[0].__name__} over {list(where)[0]}"
+        what = f"{strategy} {optim[0].__name__} over {', '.join(where)}"
         ref = DDP(gpt())
-        ours = FSDP(gpt(), sharding_strategy=ShardingStrategy[strategy], auto_wrap_policy={Block}, **where)
+        seed = rank if where.get("sync_module_states") else 0
+        ours = FSDP(gpt(seed), sharding_strategy=ShardingStrategy[strategy], auto_wrap_policy={Block}, **where)
         train_both(zip((ref, ours), optimizers_for(optim, ref, ours)), rank)
         assert_matches_ddp(ours.module, ref.module, what, optim)
         for p in ours.parameters():  # the two "nodes" hold identical shards
@@ -190,6 +191,42 @@ def _check_fsdp1_options(rank, world):
     ref = DDP(_net(), broadcast_buffers=False)
     train_both(zip((ref, ours), optimizers_for(SGD, ref, ours)), rank)
     assert_matches_ddp(ours.module, ref.module, "meta init with param_init_fn")
+    _check_sync_after_materialising(rank)
+
+
+def _random_init(module: nn.Module) -> None:
+    """A ``param_init_fn`` drawing every tensor of ``module`` (its own, not its children's) from
+    the global RNG, buffers too: ranks seeded differently get different values."""
+    module.to_empty(device="cpu", recurse=False)
+    with torch.no_grad():
+        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            if tensor.is_floating_point():
+                tensor.normal_()
+            else:
+                tensor.random_(0, 1000)
+
+
+def _meta_fsdp(seed: int, param_init_fn, sync_module_states: bool) -> FSDP:
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        model = _Net()
+    return FSDP(model, param_init_fn=param_init_fn, sync_module_states=sync_module_states, auto_wrap_policy={Block})
+
+
+def _check_sync_after_materialising(rank):
+    """sync_module_states with a meta model (reset_parameters, or a param_init_fn) ends with rank
+    0's initial values everywhere. Full parameters are the same on every rank whatever their rows
+    hold, so the reference is an unsynchronised run in which every rank draws with rank 0's seed."""
+    for what, init in (("meta, reset_parameters", None), ("meta, param_init_fn", _random_init)):
+        expected = _meta_fsdp(100, init, sync_module_states=False).state_dict()
+        ours = _meta_fsdp(100 + rank, init, sync_module_states=True)
+        for key, value in ours.state_dict().items():
+            assert torch.equal(value, expected[key]), f"sync_module_states, {what}: {key} is not rank 0's on rank {rank}"
+        ref = _Net()
+        ref.load_state_dict(expected)
+        ref = DDP(ref, broadcast_buffers=False)
+        train_both(zip((ref, ours), optimizers_for(SGD, ref, ours)), rank, steps=1)
+        assert_matches_ddp(ours.module, ref.module, f"sync_module_states, {what}", steps=1)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)

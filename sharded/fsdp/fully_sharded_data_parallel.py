@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .. import _comm
+from .._broadcast import plan_broadcasts, start_broadcasts
 from ._collect import modules_outside_units
 from ._errors import on_rank
 from ._full_params import full_state_dict, load_full_state_dict, summon_full_params
@@ -35,6 +35,8 @@ from .wrap import as_wrap_policy, modules_to_wrap
 __all__ = ["FullyShardedDataParallel", "ShardingStrategy", "CPUOffload", "MixedPrecision"]
 
 logger = logging.getLogger(__name__)
+
+SYNC_BUCKET_NUMEL = 2**23  # most elements per sync_module_states broadcast (32 MiB of float32)
 
 
 class ShardingStrategy(enum.Enum):
@@ -90,7 +92,10 @@ class FullyShardedDataParallel(nn.Module):
         param_init_fn: materialises meta-device modules unit by unit (called on each submodule
             with meta tensors); without it such modules get ``to_empty`` + ``reset_parameters()``.
         device_id: the compute device to move the module to first.
-        sync_module_states: broadcast parameters and buffers from rank 0 before sharding.
+        sync_module_states: every rank starts from rank 0's parameters and buffers: each unit's
+            are broadcast (bucketed) after ``param_init_fn`` / ``reset_parameters`` has
+            materialised them and before they are sharded, so a meta-device model built with
+            a different RNG on each rank ends with rank 0's values everywhere.
         device_mesh: a 2-D ``(replicate, shard)`` mesh for the hybrid strategies.
         forward_prefetch, limit_all_gathers, use_orig_params: accepted for compatibility; the
             next unit is always prefetched in forward, at most one unit ahead, and parameters
@@ -146,21 +151,20 @@ class FullyShardedDataParallel(nn.Module):
         if device_id is not None and not _has_meta(module):
             module.to(device)
         ignored = frozenset(id(p) for m in ignored_modules or () for p in m.parameters())
-        if sync_module_states:
-            _broadcast_from_rank0(module, process_group if isinstance(process_group, dist.ProcessGroup) else None)
         if mixed_precision is not None and mixed_precision.buffer_dtype is not None:
             _cast_buffers(module, mixed_precision.buffer_dtype)
-        shard = dict(
+        shard: dict[str, Any] = dict(
             mesh=mesh,
             reshard_after_forward=strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD),
             offload_policy=CPUOffloadPolicy() if cpu_offload is not None and cpu_offload.offload_params else None,
         )
         policy = as_wrap_policy(auto_wrap_policy if auto_wrap_policy is not None else fsdp_auto_wrap_policy)
-        for sub in modules_to_wrap(module, policy, ignored) if policy is not None else []:
+        for sub in [*(modules_to_wrap(module, policy, ignored) if policy is not None else []), module]:
             _materialise(sub, param_init_fn, device)
-            fully_shard(sub, mp_policy=_mp_policy(mixed_precision, root=False), ignored_params=_own(sub, ignored), **shard)
-        _materialise(module, param_init_fn, device)
-        fully_shard(module, mp_policy=_mp_policy(mixed_precision, root=True), ignored_params=_own(module, ignored), **shard)
+            if sync_module_states:
+                _broadcast_from_rank0(sub, mesh)
+            mp_policy = _mp_policy(mixed_precision, root=sub is module)
+            fully_shard(sub, mp_policy=mp_policy, ignored_params=_own(sub, ignored), **shard)
         for unit in units_under(module):
             unit.backward_prefetch_timing = backward_prefetch
         self.module = module
@@ -278,11 +282,27 @@ def _materialise(module: nn.Module, param_init_fn: Optional[Callable[[nn.Module]
         reset()
 
 
-def _broadcast_from_rank0(module: nn.Module, group: Optional[dist.ProcessGroup]) -> None:
+def _broadcast_from_rank0(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Give every rank the mesh's first rank's values of what ``module``'s unit is about to
+    take: its parameters and buffers, materialised and still full. It must happen here, between
+    materialising and sharding: before, meta tensors have no values to send; after, no rank holds
+    a full tensor, and each rank's shard would keep its own initial rows. Bucketed, one message
+    per bucket; on a hybrid mesh across the rows first, then within each row."""
+    buckets = plan_broadcasts([_unit_states(module)], SYNC_BUCKET_NUMEL)
     with torch.no_grad():
-        for tensor in [*module.parameters(), *module.buffers()]:
-            if not tensor.is_meta:
-                _comm.broadcast(tensor.data, src=0, group=group, async_op=False)
+        for dim in range(mesh.ndim):
+            start_broadcasts(buckets, mesh.get_group(dim)).wait()
+
+
+def _unit_states(module: nn.Module) -> list[torch.Tensor]:
+    """The parameters and buffers of ``module`` and of its descendants outside lower units
+    (those were broadcast with their own unit), each once, detached."""
+    found: dict[int, torch.Tensor] = {}
+    for _, sub in modules_outside_units(module):
+        for tensor in [*sub._parameters.values(), *sub._buffers.values()]:
+            if tensor is not None and not tensor.is_meta:
+                found.setdefault(id(tensor), tensor.detach())
+    return list(found.values())
 
 
 def _cast_buffers(module: nn.Module, dtype: torch.dtype) -> None:
