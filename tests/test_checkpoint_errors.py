@@ -73,6 +73,11 @@ def bad(tmp_path_factory):
     data = bytearray(path.read_bytes())
     data[offset + length // 2] ^= 0xFF  # inside the tensor's bytes: torch.load alone would not notice
     path.write_bytes(bytes(data))
+    shutil.copytree(root / "good", root / "flipped-late")
+    path, offset, length = _record_of(root / "flipped-late", "optim.state.head.weight.exp_avg_sq")
+    data = bytearray(path.read_bytes())
+    data[offset + length // 2] ^= 0xFF  # one of the last records: most placeholders are written by then
+    path.write_bytes(bytes(data))
     (root / "no-index" / ".metadata").unlink()
     (root / "garbage-index" / ".metadata").write_bytes(b"\x80\x04not a pickle")
     with open(root / "crafted-index" / ".metadata", "wb") as stream:
@@ -146,12 +151,27 @@ def _check_bad_checkpoints_load_nothing(rank, world, root):
             checkpoint.load(state, root / name)
         _assert_unchanged(state, before, name)
     model, wrapped, optimizer = build("zero2", seed=1)
+    _check_a_failed_load_leaves_placeholders_unfilled(wrapped, optimizer, root, rank)
     state = {**checkpoint.get_state_dict(wrapped, optimizer), "step": 0}
+    placeholders = [t for held in state["optim"]["state"].values() for t in held.values()]
     checkpoint.load(state, root / "good")  # the process group is still healthy after all that
+    loaded = [t for held in state["optim"]["state"].values() for t in held.values()]
+    assert all(a is b for a, b in zip(placeholders, loaded, strict=True)), "a fresh optimizer's state was read twice over"
     checkpoint.set_state_dict(wrapped, optimizer, state)
     assert state["step"] == 7
     assert_holds_reference(wrapped, optimizer, torch.load(root / "good.pt", weights_only=True), "good after bad ones")
     _check_set_state_dict_refuses_bad_state_dicts(wrapped, optimizer, rank)
+
+
+def _check_a_failed_load_leaves_placeholders_unfilled(wrapped, optimizer, root, rank):
+    """``load`` reads a fresh optimizer's state straight into the template's placeholders; when
+    the read fails midway they must still count as unfilled, so the template is refused."""
+    state = checkpoint.get_state_dict(wrapped, optimizer)
+    with pytest.raises(CheckpointError, match=f"rank {rank}: .*checksum mismatch"):
+        checkpoint.load(state, root / "flipped-late")
+    with pytest.raises(CheckpointError, match=f"rank {rank}: .* is still the placeholder"):
+        checkpoint.set_state_dict(wrapped, optimizer, state)
+    assert not optimizer.state
 
 
 def _check_set_state_dict_refuses_bad_state_dicts(wrapped, optimizer, rank):

@@ -9,7 +9,8 @@ that is the resharding. Nothing in the template changes until every rank has rea
 1. every rank reads the index and checks the data files are whole (agreed: all or none go on);
 2. keys and shapes are checked against the index (the same verdict on every rank);
 3. DCP reads the non-tensor values; the param groups and optimizer classes are checked;
-4. DCP reads the tensors into fresh staging tensors (on the CPU, or DTensors like the model's);
+4. DCP reads the tensors into fresh staging tensors (on the CPU, or DTensors like the model's),
+   or straight into the template's placeholder optimizer state, which nothing uses yet;
 5. the staged values replace the template's.
 """
 
@@ -25,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from ._checks import CheckpointError, check_entries, check_param_groups, check_state_shapes
-from ._paths import KeyPath, covered, leaves, nest, reaches, set_at
+from ._paths import KeyPath, covered, leaves, nest, reaches, set_at, value_at
+from ._placeholders import is_unfilled, mark_unfilled
 from ._ranks import Ranks
 from ._tensors import is_dtensor
 
@@ -65,7 +67,13 @@ def load(
     if "optim" in state:
         _check_optimizer(state["optim"], index, objects, source, ranks.rank)
     staging = {key: _staging_tensor(state, index, key) for key in wanted if key in index.tensors}
-    tensors = _read(staging, reader, ranks)
+    placeholders = [tensor for tensor in staging.values() if is_unfilled(tensor)]
+    try:
+        tensors = _read(staging, reader, ranks)
+    except BaseException:
+        for tensor in placeholders:  # what was read into them is incomplete: still unfilled
+            mark_unfilled(tensor)
+        raise
     _commit(state, {index.paths[key]: value for key, value in chain(objects.items(), tensors.items())})
 
 
@@ -118,10 +126,15 @@ def _check_optimizer(expected: Mapping[str, Any], index: Index, objects: Mapping
 
 
 def _staging_tensor(state: Mapping[str, Any], index: Index, key: str) -> torch.Tensor:
-    """A fresh tensor to read ``key`` into: a DTensor laid out like the model's own when that
-    is one (each rank then reads only its shard), else a CPU tensor of the saved shape."""
+    """A tensor to read ``key`` into: the template's placeholder for it when it has one of the
+    saved shape and dtype (no second copy of the optimizer state), else a fresh one: a DTensor
+    laid out like the model's own when that is one (each rank then reads only its shard), or a
+    CPU tensor of the saved shape."""
     shape, dtype = index.tensors[key]
     path = index.paths[key]
+    placeholder = value_at(state, path)
+    if is_unfilled(placeholder) and tuple(placeholder.shape) == shape and placeholder.dtype == dtype:
+        return placeholder
     fqn = path[2] if path[:2] == _OPTIM_STATE else path[-1]
     like = state.get("model", {}).get(fqn) if path[0] in ("model", "optim") else None
     if isinstance(like, torch.Tensor) and is_dtensor(like) and tuple(like.shape) == shape:

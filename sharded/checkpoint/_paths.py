@@ -11,7 +11,7 @@ from typing import Any, Iterable, Iterator, Mapping, MutableMapping, Union
 
 import torch
 
-__all__ = ["KeyPath", "covered", "leaves", "lookup", "nest", "reaches", "set_at"]
+__all__ = ["KeyPath", "covered", "leaves", "lookup", "nest", "reaches", "set_at", "value_at"]
 
 KeyPath = tuple[Union[str, int], ...]
 _MISSING = object()
@@ -39,6 +39,16 @@ def reaches(root: Any, path: KeyPath) -> bool:
         if node is _MISSING:
             return False
     return True
+
+
+def value_at(root: Any, path: KeyPath) -> Any:
+    """The value at ``path`` below ``root``, or ``None`` where there is none."""
+    node = root
+    for part in path:
+        node = lookup(node, part)
+        if node is _MISSING:
+            return None
+    return node
 
 
 def leaves(node: Any, path: KeyPath = ()) -> Iterator[tuple[KeyPath, Any]]:

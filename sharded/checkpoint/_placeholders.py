@@ -23,7 +23,7 @@ from torch.optim import Optimizer
 
 from ._tensors import local_part
 
-__all__ = ["placeholder_states", "unfilled_params", "without_placeholders"]
+__all__ = ["is_unfilled", "mark_unfilled", "placeholder_states", "unfilled_params", "without_placeholders"]
 
 _log = logging.getLogger(__name__)
 _VERSION_AT_CREATION = "_sharded_placeholder_version"
@@ -58,7 +58,7 @@ def placeholder_states(optimizer: Optimizer, params: Iterable[torch.Tensor]) -> 
 
 def unfilled_params(optim_state: Mapping[str, Mapping[str, Any]]) -> list[str]:
     """The FQNs in the ``"optim"]["state"]`` part of a template whose placeholders nothing filled."""
-    return [fqn for fqn, held in optim_state.items() if any(_is_unfilled(v) for v in held.values())]
+    return [fqn for fqn, held in optim_state.items() if any(is_unfilled(v) for v in held.values())]
 
 
 def without_placeholders(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -124,11 +124,17 @@ def _placeholder(value: Any, param: torch.Tensor) -> Any:
     else:
         device = local_part(param).device if value.device.type == "meta" else value.device
         tensor = torch.zeros(value.shape, dtype=value.dtype, device=device)
-    setattr(tensor, _VERSION_AT_CREATION, local_part(tensor)._version)
+    mark_unfilled(tensor)
     return tensor
 
 
-def _is_unfilled(value: Any) -> bool:
+def mark_unfilled(tensor: torch.Tensor) -> None:
+    """Remember ``tensor`` as a placeholder nothing has filled yet (again, after a failed load)."""
+    setattr(tensor, _VERSION_AT_CREATION, local_part(tensor)._version)
+
+
+def is_unfilled(value: Any) -> bool:
+    """Whether ``value`` is a placeholder that nothing wrote into since it was marked."""
     created = getattr(value, _VERSION_AT_CREATION, None)
     return created is not None and local_part(value)._version == created
 
