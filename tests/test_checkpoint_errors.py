@@ -207,6 +207,23 @@ def test_a_crafted_value_would_run_code_through_dcp_default_load(bad):
     (bad / "ran-from-value").unlink()
 
 
+def test_strict_false_loads_the_model_keys_both_sides_have(bad):
+    """As ``module.load_state_dict(strict=False)``: keys the checkpoint lacks keep their values,
+    saved keys the model lacks are skipped, and shared keys must still have the same shapes."""
+    saved = torch.load(bad / "good.pt", weights_only=True)["model"]
+    deeper = gpt(seed=1, layers=3)
+    before = {key: value.clone() for key, value in deeper.state_dict().items()}
+    state = checkpoint.get_state_dict(deeper)
+    checkpoint.load(state, bad / "good", strict=False)
+    checkpoint.set_state_dict(deeper, (), state)
+    assert before.keys() - saved.keys(), "the deeper model should have keys the checkpoint lacks"
+    for key, value in deeper.state_dict().items():
+        assert torch.equal(value, saved.get(key, before[key])), key
+    checkpoint.load(checkpoint.get_state_dict(gpt(seed=1)), bad / "deeper", strict=False)
+    with pytest.raises(CheckpointError, match=r"model shapes differ: tok\.weight saved \(32, 32\)"):
+        checkpoint.load(checkpoint.get_state_dict(gpt(seed=1)), bad / "other-vocab", strict=False)
+
+
 def test_saves_never_overwrite_and_partial_saves_are_never_latest(tmp_path):
     model, optimizer = _plain(gpt())
     state = checkpoint.get_state_dict(model, optimizer)

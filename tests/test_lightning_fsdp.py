@@ -25,7 +25,6 @@ from torch.distributed.tensor import DTensor
 from examples.gpt import Block
 from sharded.fsdp.wrap import size_based_auto_wrap_policy
 from sharded.lightning import ShardedFSDPStrategy
-from sharded.lightning._fsdp_checkpoint import METADATA_FILE
 from sharded.lightning.fabric_fsdp import ShardedFSDPStrategy as FabricFSDPStrategy
 from tests._harness import run_on_ranks
 from tests._lightning import (
@@ -303,8 +302,7 @@ def test_full_checkpoint_is_one_file_in_torch_format_and_sharded_one_a_folder_pe
     full = launches["one"]["full_file"]
     assert full["keys"] == full["expected_keys"]
     assert full["optimizer_keys"] == list(range(len(full["expected_keys"])))
-    folder = launches["one"]["sharded_folder"]
-    assert METADATA_FILE in folder and len([name for name in folder if name.endswith(".distcp")]) == 2, folder
+    assert launches["one"]["sharded_folder"] == [".metadata", "__0_0.distcp", "__1_0.distcp"]
 
 
 @pytest.mark.parametrize("state_dict_type", STATE_DICT_TYPES)

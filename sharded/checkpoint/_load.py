@@ -45,13 +45,16 @@ def load(
     checkpoint_id: Union[str, os.PathLike],
     *,
     process_group: Optional[dist.ProcessGroup] = None,
+    strict: bool = True,
 ) -> None:
     """Fill ``state`` (from :func:`get_state_dict`, plus any extra entries) from the checkpoint
     in directory ``checkpoint_id``, whatever world size or layer saved it. Collective.
 
     Then pass ``state`` to :func:`set_state_dict`. A checkpoint that is damaged, incomplete or
     saved for another model or optimizer raises :class:`CheckpointError` naming the file or key
-    on every rank, and ``state`` is left as it was.
+    on every rank, and ``state`` is left as it was. ``strict=False`` treats the model's keys as
+    ``module.load_state_dict(strict=False)`` does: those the checkpoint lacks keep their values,
+    saved ones the model lacks are skipped (shared keys must still have the same shapes).
     """
     from ._storage import VerifyingReader, read_index
 
@@ -60,7 +63,7 @@ def load(
     directory = Path(checkpoint_id)
     source = f"checkpoint {directory}"
     index = ranks.agree(lambda: read_index(directory, ranks.rank), f"reading {directory}")
-    _check_keys_and_shapes(state, index, source, ranks.rank)
+    _check_keys_and_shapes(state, index, source, ranks.rank, strict)
     wanted = [key for key, path in index.paths.items() if _wants(state, path)]
     reader = VerifyingReader(directory, ranks.rank)
     objects = _read({key: None for key in wanted if key not in index.tensors}, reader, ranks)
@@ -90,14 +93,17 @@ def _wants(state: Mapping[str, Any], path: KeyPath) -> bool:
 # ----------------------------------------------------------------------------- checking
 
 
-def _check_keys_and_shapes(state: Mapping[str, Any], index: Index, source: str, rank: int) -> None:
-    """From the index alone: the model's keys and shapes, the shapes of the optimizer state,
-    and that every other entry of the template was saved, with its shape."""
+def _check_keys_and_shapes(state: Mapping[str, Any], index: Index, source: str, rank: int, strict: bool) -> None:
+    """From the index alone: the model's keys (all, or the shared ones unless ``strict``) and
+    shapes, the shapes of the optimizer state, and that every other entry of the template was
+    saved, with its shape."""
     shapes = {path: index.tensors[key][0] if key in index.tensors else None for key, path in index.paths.items()}
     model = state.get("model")
     if model is not None:
         saved = {str(p[1]): shape if len(p) == 2 else None for p, shape in shapes.items() if p[0] == "model" and len(p) > 1}
         expected = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in model.items()}
+        if not strict:
+            saved, expected = {k: s for k, s in saved.items() if k in expected}, {k: s for k, s in expected.items() if k in saved}
         check_entries(expected, saved, "model", rank, source)
         for path, shape in shapes.items():
             param = model.get(path[2]) if path[:2] == _OPTIM_STATE and len(path) == 4 else None

@@ -1,29 +1,38 @@
 """Checkpoints of a fully sharded model and its optimizers, in the two layouts Lightning's FSDP
-strategy offers, through ``torch.distributed.checkpoint``.
+strategy offers; the Trainer's and Fabric's strategies write and read them alike.
 
 * ``"full"``: one file, written by rank 0, holding full tensors: the model's ``state_dict`` and
   each optimizer's state in torch's own format (keyed by parameter index), so the file loads
   into an unsharded model and a plain optimizer (``strategy="ddp"``) as well as into a sharded
-  one at any world size.
-* ``"sharded"``: a folder; each rank writes its own shards with ``torch.distributed.checkpoint``,
-  which also reads them back at another world size (it reshards on load). Everything else in
-  the Lightning checkpoint (loop progress, schedulers, callbacks) goes into one metadata file.
+  one at any world size. It is read with ``torch.load(weights_only=True)``.
+* ``"sharded"``: a :mod:`sharded.checkpoint` checkpoint directory (index ``.metadata``, one data
+  file per rank, each rank writing its own shards), holding::
 
-The sharded parameters are DTensors, so torch's state-dict API (``get_model_state_dict`` and
-friends) gathers and scatters them; what is ours is the layout above and the conversion of
-optimizer state between torch's index-keyed format and the parameter-name-keyed one that API
-speaks. Nothing here imports Lightning.
+      {"model": the module's state dict (this rank's shards),
+       "optim": its optimizers' state, filed by parameter name (as sharded.checkpoint has it),
+       "lightning": (everything else in the checkpoint,)}
+
+  "Everything else" is Lightning's own state (loops, callbacks, schedulers, precision,
+  hyperparameters) for the Trainer, the entries besides the module and optimizers for Fabric;
+  rank 0's is saved, as one record (the one-element tuple keeps DCP from flattening the dict,
+  which would drop empty dicts and turn keys into strings). The engine publishes a save only
+  once it is complete and reads without running code (allow-listed index, ``weights_only``
+  records, CRC checks, errors naming the file); it also reshards at load, so a checkpoint
+  resumes at any world size.
+
+Nothing here imports Lightning.
 """
 
 from __future__ import annotations
 
+import os
 import pickle
+import shutil
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -34,22 +43,26 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
+from .. import checkpoint
+from ..checkpoint import CheckpointError
+from ..checkpoint._ranks import Ranks
+from ..checkpoint._storage import METADATA_FILE
+
 __all__ = [
-    "METADATA_FILE",
+    "LIGHTNING_KEY",
     "full_model_state",
     "full_optimizer_state",
     "load_full",
+    "load_full_optimizer_state",
     "load_model_state",
-    "load_optimizer_state",
     "load_sharded",
     "read_file",
-    "read_sharded",
     "save_sharded",
     "sharded_model_state",
     "sharded_optimizer_state",
 ]
 
-METADATA_FILE = "meta.pt"  # in a sharded checkpoint's folder: the checkpoint without model and optimizers
+LIGHTNING_KEY = "lightning"  # in a sharded checkpoint: (everything but the model and optimizers,)
 _ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)  # full tensors, on rank 0 only
 
 
@@ -59,8 +72,9 @@ def full_model_state(module: nn.Module) -> dict[str, Any]:
 
 
 def sharded_model_state(module: nn.Module) -> dict[str, Any]:
-    """``module.state_dict()`` with each rank's shards (DTensors)."""
-    return get_model_state_dict(module)
+    """``module.state_dict()`` with each rank's shards (DTensors): the ``"model"`` entry of a
+    sharded checkpoint."""
+    return checkpoint.get_state_dict(module)["model"]
 
 
 def full_optimizer_state(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
@@ -71,8 +85,9 @@ def full_optimizer_state(module: nn.Module, optimizer: Optimizer) -> dict[str, A
 
 
 def sharded_optimizer_state(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
-    """``optimizer``'s state with each rank's shards, keyed by parameter name."""
-    return get_optimizer_state_dict(module, optimizer)
+    """``optimizer``'s state with each rank's shards, filed by the names of ``module``'s
+    parameters: its part of a sharded checkpoint's ``"optim"`` entry."""
+    return checkpoint.get_state_dict(module, optimizer)["optim"]
 
 
 def load_model_state(module: nn.Module, state: Mapping[str, Any], full: bool, strict: bool) -> None:
@@ -81,32 +96,129 @@ def load_model_state(module: nn.Module, state: Mapping[str, Any], full: bool, st
     set_model_state_dict(module, dict(state), options=StateDictOptions(full_state_dict=full, strict=strict))
 
 
-def load_optimizer_state(module: nn.Module, optimizer: Optimizer, state: Mapping[str, Any], full: bool, what: str) -> None:
-    """Collective: load an optimizer state, full (in torch's index-keyed format or keyed by
-    parameter name) or sharded, into ``optimizer`` over ``module``'s sharded parameters."""
-    if full:
-        state = _keyed_by_name(state, module, optimizer, what)
-    set_optimizer_state_dict(module, optimizer, dict(state), options=StateDictOptions(full_state_dict=full))
+def load_full_optimizer_state(module: nn.Module, optimizer: Optimizer, state: Mapping[str, Any], what: str) -> None:
+    """Collective: load a whole optimizer state (in torch's index-keyed format or keyed by
+    parameter name) into ``optimizer`` over ``module``'s sharded parameters."""
+    by_name = _keyed_by_name(state, module, optimizer, what)
+    set_optimizer_state_dict(module, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
 
 
-def save_sharded(folder: Path, states: Mapping[str, Mapping[str, Any]], metadata: Mapping[str, Any]) -> None:
-    """Collective: write ``states`` (name -> a state dict of shards) into ``folder`` with
-    ``torch.distributed.checkpoint``, and from rank 0 ``metadata`` (anything else) beside them."""
-    folder.mkdir(parents=True, exist_ok=True)
-    dcp.save({name: dict(state) for name, state in states.items()}, checkpoint_id=folder)
-    if dist.get_rank() == 0:
-        torch.save(dict(metadata), folder / METADATA_FILE)
+# ------------------------------------------------------------------------------ sharded
 
 
-def read_sharded(folder: Path, targets: dict[str, Any]) -> dict[str, Any]:
-    """Collective: fill ``targets`` (name -> a state dict of this rank's shards, as the objects
-    to load into give it now) from ``folder``, resharding to this world size; return the metadata."""
+def save_sharded(
+    folder: Path, model_state: Mapping[str, Any], optimizer_states: Sequence[Mapping[str, Any]], extra: Mapping[str, Any]
+) -> None:
+    """Collective: save a sharded checkpoint as directory ``folder``: ``model_state`` and
+    ``optimizer_states`` as :func:`sharded_model_state` and :func:`sharded_optimizer_state`
+    give them, and rank 0's ``extra``.
+
+    A new name appears only once the checkpoint is complete. A checkpoint already under that
+    name is replaced only then: a save that fails or is killed midway leaves it as it was.
+    """
+    ranks = Ranks(None)
+    state: dict[str, Any] = {"model": dict(model_state)}
+    if optimizer_states:
+        state["optim"] = _merged(optimizer_states, ranks.rank)
+    if ranks.rank == 0:
+        state[LIGHTNING_KEY] = (dict(extra),)
+    if folder.exists():
+        _replace(folder, state, ranks)
+    else:
+        checkpoint.save(state, folder)
+
+
+def load_sharded(folder: Path, module: Optional[nn.Module], optimizers: Sequence[Optimizer], strict: bool) -> dict[str, Any]:
+    """Collective: load a sharded checkpoint, saved at any world size, into ``module`` (``None``:
+    no module) and ``optimizers`` (none: the saved optimizer state is not read); return
+    everything else it holds. ``strict=False`` loads the model keys both sides have."""
+    optimizers = list(optimizers)
+    state = checkpoint.get_state_dict(module, optimizers) if module is not None else {}
+    state[LIGHTNING_KEY] = None  # a place for whatever was saved under that key
+    checkpoint.load(state, folder, strict=strict)
+    rest = _saved_rest(state[LIGHTNING_KEY], folder)
+    if module is not None:
+        checkpoint.set_state_dict(module, optimizers, state)
+    return rest
+
+
+def _saved_rest(saved: Any, folder: Path) -> dict[str, Any]:
+    if isinstance(saved, tuple) and len(saved) == 1 and isinstance(saved[0], dict):
+        return dict(saved[0])
+    raise CheckpointError(
+        f"rank {Ranks(None).rank}: {folder}: its '{LIGHTNING_KEY}' entry holds a {type(saved).__name__}, "
+        "not a checkpoint's other state; it was not written by sharded.lightning. Nothing was loaded"
+    )
+
+
+def _merged(optimizer_states: Sequence[Mapping[str, Any]], rank: int) -> dict[str, Any]:
+    """The ``"optim"`` entry of several optimizers, as ``sharded.checkpoint.get_state_dict``
+    gives it for a list of them."""
+    merged: dict[str, Any] = {"state": {}, "param_groups": [], "classes": []}
+    for index, part in enumerate(optimizer_states):
+        shared = sorted(merged["state"].keys() & part.get("state", {}).keys())
+        if shared:
+            raise ValueError(
+                f"rank {rank}: optimizer {index} steps parameters that an earlier one steps too "
+                f"({', '.join(shared[:3])}); a sharded checkpoint files optimizer state by parameter "
+                "name, so each parameter may belong to one optimizer only"
+            )
+        merged["state"].update(part.get("state", {}))
+        merged["param_groups"] += part.get("param_groups", [])
+        merged["classes"] += part.get("classes", [])
+    return merged
+
+
+def _replace(folder: Path, state: Mapping[str, Any], ranks: Ranks) -> None:
+    """Save ``state`` as ``.<name>.next`` beside the checkpoint ``folder``, then put it in its place."""
     if not (folder / METADATA_FILE).is_file():
-        raise FileNotFoundError(
-            f"rank {dist.get_rank()}: {folder} is a folder but not a sharded checkpoint: {METADATA_FILE} is missing"
+        raise FileExistsError(
+            f"rank {ranks.rank}: {folder} exists and is not a checkpoint (it has no {METADATA_FILE}), "
+            "so it is not replaced; remove it or save elsewhere"
         )
-    dcp.load(targets, checkpoint_id=folder)
-    return read_file(folder / METADATA_FILE)
+    staged = _beside(folder, "next")
+    ranks.agree(lambda: _remove_on_rank0(staged, ranks.rank), f"clearing {staged}")
+    try:
+        checkpoint.save(state, staged)
+    except CheckpointError as error:
+        raise CheckpointError(
+            f"rank {ranks.rank}: replacing {folder} failed; it still holds the previous checkpoint. {error}"
+        ) from error
+    ranks.agree(lambda: _swap_on_rank0(staged, folder, ranks.rank), f"replacing {folder}")
+
+
+def _swap_on_rank0(staged: Path, folder: Path, rank: int) -> None:
+    """Two renames, then the old checkpoint is deleted. A crash between the renames (there is
+    no atomic swap of directories) leaves both whole, as ``.<name>.old`` and ``.<name>.next``."""
+    if rank != 0:
+        return
+    retired = _beside(folder, "old")
+    shutil.rmtree(retired, ignore_errors=True)
+    os.rename(folder, retired)
+    os.rename(staged, folder)
+    _fsync_directory(folder.parent)
+    shutil.rmtree(retired)
+
+
+def _remove_on_rank0(path: Path, rank: int) -> None:
+    """What a save killed before its swap left behind is discarded."""
+    if rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _beside(folder: Path, what: str) -> Path:
+    return folder.with_name(f".{folder.name}.{what}")
+
+
+def _fsync_directory(directory: Path) -> None:
+    handle = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(handle)
+    finally:
+        os.close(handle)
+
+
+# --------------------------------------------------------------------------------- full
 
 
 def read_file(path: Path) -> Any:
@@ -121,23 +233,12 @@ def read_file(path: Path) -> Any:
         ) from error
 
 
-def load_sharded(folder: Path, module: nn.Module, optimizers: Sequence[Optimizer], strict: bool) -> dict[str, Any]:
-    """Collective: load a Trainer's sharded checkpoint (``model``, ``optimizer_0``...) into
-    ``module`` and ``optimizers`` (none: the model only); return its metadata."""
-    targets = _sharded_layout(sharded_model_state(module), [sharded_optimizer_state(module, o) for o in optimizers])
-    metadata = read_sharded(folder, targets)
-    load_model_state(module, targets["model"], full=False, strict=strict)
-    for index, optimizer in enumerate(optimizers):
-        load_optimizer_state(module, optimizer, targets[f"optimizer_{index}"], full=False, what=f"{folder}: optimizer {index}")
-    return metadata
-
-
 def load_full(
-    checkpoint: dict[str, Any], module: nn.Module, optimizers: Sequence[Optimizer], strict: bool, path: Path
+    contents: dict[str, Any], module: nn.Module, optimizers: Sequence[Optimizer], strict: bool, path: Path
 ) -> dict[str, Any]:
-    """Collective: take this rank's shards of a Trainer's full checkpoint (the dict of a file
-    every rank read) into ``module`` and, when given, ``optimizers``; return the rest."""
-    rest = dict(checkpoint)
+    """Collective: take this rank's shards of a Trainer's full checkpoint (``contents``, the
+    dict of a file every rank read) into ``module`` and, when given, ``optimizers``; return the rest."""
+    rest = dict(contents)
     load_model_state(module, rest.pop("state_dict"), full=True, strict=strict)
     states = rest.pop("optimizer_states", None)
     if not optimizers or states is None:
@@ -148,12 +249,8 @@ def load_full(
             f"configure_optimizers returned {len(optimizers)}"
         )
     for index, (optimizer, state) in enumerate(zip(optimizers, states)):
-        load_optimizer_state(module, optimizer, state, full=True, what=f"{path}: optimizer {index}")
+        load_full_optimizer_state(module, optimizer, state, what=f"{path}: optimizer {index}")
     return rest
-
-
-def _sharded_layout(model_state: Mapping[str, Any], optimizer_states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    return {"model": dict(model_state), **{f"optimizer_{i}": dict(s) for i, s in enumerate(optimizer_states)}}
 
 
 def _keyed_by_index(state: Mapping[str, Any]) -> dict[str, Any]:

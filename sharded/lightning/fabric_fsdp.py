@@ -13,7 +13,7 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Callable, Literal, Mapping, Optional, Union
 
 import torch
 from lightning.fabric.accelerators import Accelerator
@@ -49,7 +49,8 @@ class ShardedFSDPStrategy(ShardedFabricPrecision, DDPStrategy):
     """Fully sharded training (ZeRO-3) with sharded's layer 3 for Fabric; the arguments of
     Fabric's ``FSDPStrategy`` (see the Trainer's :class:`sharded.lightning.ShardedFSDPStrategy`
     for what each does). As with Fabric's own, ``state_dict_type`` defaults to ``"sharded"``:
-    ``fabric.save`` writes a folder with one file per rank plus the non-tensor state.
+    ``fabric.save`` writes a :mod:`sharded.checkpoint` folder, the Trainer's layout: one module
+    (as Fabric's own allows), its optimizers, and the other entries of the state.
     """
 
     def __init__(
@@ -176,7 +177,8 @@ class ShardedFSDPStrategy(ShardedFabricPrecision, DDPStrategy):
         filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
     ) -> None:
         """``"full"``: rank 0 writes one file. ``"sharded"``: every rank writes into a folder the
-        shards of the modules and optimizers in ``state``; rank 0 adds everything else."""
+        shards of the module and optimizers in ``state``, rank 0 everything else; the folder
+        replaces an earlier checkpoint of that name only once complete."""
         path = Path(self.broadcast(str(path)))
         if self._state_dict_type == "full":
             if path.is_dir():
@@ -187,9 +189,11 @@ class ShardedFSDPStrategy(ShardedFabricPrecision, DDPStrategy):
             raise TypeError(f"rank {self.global_rank}: state_dict_type='sharded' takes no storage_options")
         if path.is_file():
             raise FileExistsError(f"rank {self.global_rank}: state_dict_type='sharded' writes a folder, but {path} is a file")
+        module_key, optimizer_keys = self._sharded_objects(state, "save")
         converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
-        sharded = {k: converted.pop(k) for k, obj in state.items() if isinstance(obj, (nn.Module, Optimizer)) and k in converted}
-        checkpoints.save_sharded(path, sharded, converted)
+        model_state = converted.pop(module_key, {}) if module_key is not None else {}
+        optimizer_states = [converted.pop(key, {}) for key in optimizer_keys]
+        checkpoints.save_sharded(path, model_state, optimizer_states, converted)
 
     def load_checkpoint(
         self,
@@ -199,36 +203,49 @@ class ShardedFSDPStrategy(ShardedFabricPrecision, DDPStrategy):
         weights_only: Optional[bool] = None,
     ) -> dict[str, Any]:
         """Collective: restore the objects in ``state`` in place from a full file or a sharded
-        folder, saved at any world size; return what the checkpoint holds beyond them."""
+        folder, saved at any world size; return what the checkpoint holds beyond them. Files are
+        read with ``torch.load(weights_only=True)``, folders by :mod:`sharded.checkpoint`."""
         path = Path(self.broadcast(str(path)))
         if isinstance(state, Optimizer):
             raise TypeError(f"rank {self.global_rank}: load an optimizer's state with fabric.load(path, {{'optimizer': optimizer}})")
+        wanted: dict[str, Any] = {"module": state} if isinstance(state, nn.Module) else dict(state or {})
         if path.is_dir():
-            wanted = {"module": state} if isinstance(state, nn.Module) else dict(state or {})
-            targets = {k: self._sharded_state(obj) for k, obj in wanted.items() if isinstance(obj, (nn.Module, Optimizer))}
-            saved = {**checkpoints.read_sharded(path, targets), **targets}
-            full = False
+            module_key, optimizer_keys = self._sharded_objects(wanted, "load")
+            module = _unwrapped(wanted.pop(module_key)) if module_key is not None else None
+            saved = checkpoints.load_sharded(path, module, [wanted.pop(key) for key in optimizer_keys], strict)
         elif path.is_file():
             saved = checkpoints.read_file(path)
-            wanted = {"module": state} if isinstance(state, nn.Module) else dict(state or {})
             saved = {"module": saved} if isinstance(state, nn.Module) else saved
-            full = True
         else:
             raise FileNotFoundError(f"rank {self.global_rank}: checkpoint {path} does not exist")
         if not wanted:
             return saved
-        rest = self._restore(wanted, saved, strict, full)
+        rest = self._restore(wanted, saved, strict)
         if isinstance(state, dict):
             state.update({k: v for k, v in wanted.items() if not isinstance(v, (nn.Module, Optimizer))})
         return rest
 
-    def _sharded_state(self, obj: Union[nn.Module, Optimizer]) -> dict[str, Any]:
-        if isinstance(obj, nn.Module):
-            return checkpoints.sharded_model_state(_unwrapped(obj))
-        return checkpoints.sharded_optimizer_state(self._module_of(obj), obj)
+    def _sharded_objects(self, state: Mapping[str, Any], action: str) -> tuple[Optional[str], list[str]]:
+        """The key of the one module in ``state`` (or ``None``) and those of its optimizers, sorted:
+        a sharded checkpoint files them under ``"model"`` and ``"optim"``, whatever their keys."""
+        modules = [key for key, obj in state.items() if isinstance(obj, nn.Module)]
+        optimizers = sorted(key for key, obj in state.items() if isinstance(obj, Optimizer))
+        if len(modules) > 1:
+            raise ValueError(
+                f"rank {self.global_rank}: cannot {action} modules {', '.join(modules)} in one sharded "
+                "checkpoint: it holds one module and its optimizers, as with Fabric's own FSDPStrategy; "
+                "use one checkpoint per module"
+            )
+        if optimizers and not modules:
+            raise ValueError(
+                f"rank {self.global_rank}: {action} optimizers {', '.join(optimizers)} together with the "
+                "module whose parameters they step: a sharded checkpoint files their state by parameter name"
+            )
+        return (modules[0] if modules else None), optimizers
 
-    def _restore(self, wanted: dict[str, Any], saved: dict[str, Any], strict: bool, full: bool) -> dict[str, Any]:
-        """Load ``saved[key]`` into each object of ``wanted``; plain values are replaced."""
+    def _restore(self, wanted: dict[str, Any], saved: dict[str, Any], strict: bool) -> dict[str, Any]:
+        """Load ``saved[key]`` (whole tensors for a module or an optimizer: a full file) into each
+        object of ``wanted``; plain values are replaced."""
         missing = sorted(set(wanted) - set(saved))
         if strict and missing:
             raise KeyError(f"rank {self.global_rank}: the checkpoint holds no {', '.join(missing)}; pass strict=False to skip them")
@@ -237,9 +254,9 @@ class ShardedFSDPStrategy(ShardedFabricPrecision, DDPStrategy):
                 continue
             value = saved.pop(key)
             if isinstance(obj, nn.Module):
-                checkpoints.load_model_state(_unwrapped(obj), value, full=full, strict=strict)
+                checkpoints.load_model_state(_unwrapped(obj), value, full=True, strict=strict)
             elif isinstance(obj, Optimizer):
-                checkpoints.load_optimizer_state(self._module_of(obj), obj, value, full=full, what=key)
+                checkpoints.load_full_optimizer_state(self._module_of(obj), obj, value, what=key)
             elif isinstance(obj, _Stateful):
                 obj.load_state_dict(value)
             else:

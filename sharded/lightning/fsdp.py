@@ -72,8 +72,10 @@ class ShardedFSDPStrategy(ShardedPrecisionPlugin, DDPStrategy):
             the grid otherwise), or a ``ShardingStrategy`` member.
         state_dict_type: ``"full"``: checkpoints are one file with full tensors written by rank
             0, in torch's format (they load under ``strategy="ddp"`` too). ``"sharded"``: a
-            folder in which each rank writes its shards (``torch.distributed.checkpoint``);
-            both resume at any world size.
+            :mod:`sharded.checkpoint` folder in which each rank writes its shards, Lightning's
+            own state (loops, callbacks, schedulers) included; it appears, or replaces an
+            earlier one of the same name, only once complete, and loads without running code
+            from it. Both resume at any world size.
         **kwargs: ``sharded.FullyShardedDataParallel``'s other arguments (``device_mesh``,
             ``param_init_fn``, ``ignored_modules``, ``backward_prefetch``...), and
             ``start_method`` as for ``DDPStrategy``.
@@ -207,7 +209,7 @@ class ShardedFSDPStrategy(ShardedPrecisionPlugin, DDPStrategy):
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """Collective: the whole state in torch's format on rank 0 (``"full"``) or each rank's
-        shards keyed by parameter name (``"sharded"``)."""
+        shards filed by parameter name (``"sharded"``)."""
         assert self.lightning_module is not None
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
@@ -216,7 +218,8 @@ class ShardedFSDPStrategy(ShardedPrecisionPlugin, DDPStrategy):
         return checkpoints.sharded_optimizer_state(self.lightning_module, optimizer)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
-        """``"full"``: rank 0 writes one file. ``"sharded"``: every rank writes into a folder."""
+        """``"full"``: rank 0 writes one file. ``"sharded"``: every rank writes into a folder,
+        which replaces an earlier checkpoint of that name only once complete."""
         path = Path(self.broadcast(str(filepath)))
         if self._state_dict_type == "full":
             if path.is_dir():
@@ -234,12 +237,13 @@ class ShardedFSDPStrategy(ShardedPrecisionPlugin, DDPStrategy):
                 "(a full checkpoint?); remove it or save elsewhere"
             )
         rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        optimizers = {f"optimizer_{i}": state for i, state in enumerate(checkpoint.get("optimizer_states", []))}
-        checkpoints.save_sharded(path, {"model": checkpoint["state_dict"], **optimizers}, rest)
+        checkpoints.save_sharded(path, checkpoint["state_dict"], checkpoint.get("optimizer_states", []), rest)
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Collective: load a full file or a sharded folder, saved at any world size, into the
-        sharded model (and, when fitting, the optimizers); return the rest of the checkpoint."""
+        sharded model (and, when fitting, the optimizers); return the rest of the checkpoint.
+        Whatever ``weights_only`` says, files are read with ``torch.load(weights_only=True)``
+        and folders by :mod:`sharded.checkpoint`: nothing in a checkpoint runs."""
         assert self.lightning_module is not None
         path = Path(self.broadcast(str(checkpoint_path)))
         module = self.lightning_module
