@@ -8,6 +8,12 @@ state never leaks between tests and a failed collective can't poison the next on
 Failures come back with every failing rank's traceback, the root cause first (a rank that died
 of "connection reset" is usually reacting to another rank's error). A hang fails the test at its
 deadline, naming the ranks that never finished; the parent kills them, so nothing is orphaned.
+
+A rank that reported success must also exit cleanly, with one exception: gloo's known abort at
+exit (SIGABRT, "terminate called without an active exception"; plain torch DDP has it too).
+When every rank's body returned and a rank then died of SIGABRT while tearing down, the whole
+launch is retried once, with a warning saying so; a second such abort, an abort inside a body,
+or any other death fails the test.
 """
 
 from __future__ import annotations
@@ -15,19 +21,26 @@ from __future__ import annotations
 import datetime
 import multiprocessing
 import os
+import signal
+import sys
 import tempfile
 import time
 import traceback
+import warnings
+from dataclasses import dataclass
 from multiprocessing.connection import wait
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["RankFailure", "run_on_ranks", "assert_same_on_all_ranks"]
+__all__ = ["AbortAtExitRetried", "RankFailure", "run_on_ranks", "assert_same_on_all_ranks"]
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
 GRACE_AFTER_FIRST_ERROR = 3.0  # seconds the other ranks get to report their own errors
+TEARDOWN_SECONDS = 30.0  # for ranks that reported success to leave the barrier and exit
+ABORTED = -signal.SIGABRT  # a process's exitcode when SIGABRT killed it
+TEARDOWN_FAILED = 3  # a rank's exit code when its teardown raised (a peer died in the barrier)
 _PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch.optim", "sharded", "tests._harness"]
 _SECONDARY_ERRORS = ("Connection reset", "Connection closed", "Broken pipe", "Socket closed")
 _context = None
@@ -37,6 +50,10 @@ class RankFailure(AssertionError):
     """One or more ranks raised, died or hung; the message holds every rank's story."""
 
 
+class AbortAtExitRetried(UserWarning):
+    """A launch was retried because a rank died of SIGABRT after its body returned."""
+
+
 def run_on_ranks(
     fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 90.0, **kwargs: Any
 ) -> list[Any]:
@@ -44,9 +61,73 @@ def run_on_ranks(
 
     Each rank has the default process group initialised (gloo, 60 s collective timeout),
     ``torch.set_num_threads(1)`` and ``torch.manual_seed(0)``. Returns the per-rank return
-    values in rank order. Raises :class:`RankFailure` if any rank raises, dies, or is still
-    running after ``timeout`` seconds.
+    values in rank order. Raises :class:`RankFailure` if any rank raises, dies, is still
+    running after ``timeout`` seconds, or fails to exit cleanly after reporting success. A
+    launch whose only fault is a rank killed by SIGABRT after its body returned (gloo's abort at
+    exit) is retried once, with an :class:`AbortAtExitRetried` warning and a line on stderr.
     """
+    launch = _launch(fn, world_size, args, kwargs, timeout)
+    if not launch.aborted_at_exit():
+        return launch.results()
+    _report_retry(fn, launch)
+    retry = _launch(fn, world_size, args, kwargs, timeout)
+    if retry.aborted_at_exit():
+        raise RankFailure(f"{retry.teardown_story()}\nthe first launch ended the same way; retried once only")
+    return retry.results()
+
+
+@dataclass
+class _Launch:
+    """What one launch's ranks reported, and how those that reported success then exited."""
+
+    world_size: int
+    timeout: float
+    outcomes: dict[int, tuple]
+    exitcodes: dict[int, Optional[int]]  # None: still tearing down at the deadline, killed
+
+    def bodies_returned(self) -> bool:
+        return len(self.outcomes) == self.world_size and all(o[0] == "ok" for o in self.outcomes.values())
+
+    def aborted_at_exit(self) -> bool:
+        """Every body returned, then some rank died of SIGABRT and the others exited cleanly
+        or saw their teardown fail because of it: gloo's abort at exit, and nothing else."""
+        codes = list(self.exitcodes.values())
+        return (
+            self.bodies_returned()
+            and ABORTED in codes
+            and all(code in (0, ABORTED, TEARDOWN_FAILED) for code in codes)
+        )
+
+    def results(self) -> list[Any]:
+        """Every rank's return value; raise :class:`RankFailure` unless all ran and exited cleanly."""
+        failures = {r: o for r, o in self.outcomes.items() if o[0] != "ok"}
+        if failures or len(self.outcomes) < self.world_size:
+            raise RankFailure(_describe(failures, self.outcomes, self.world_size, self.timeout))
+        if any(code != 0 for code in self.exitcodes.values()):
+            raise RankFailure(self.teardown_story())
+        return [self.outcomes[r][1] for r in range(self.world_size)]
+
+    def teardown_story(self) -> str:
+        return "\n".join(
+            f"rank {rank} reported success, then {_exit_story(code)}"
+            for rank, code in sorted(self.exitcodes.items())
+            if code != 0
+        )
+
+
+def _exit_story(code: Optional[int]) -> str:
+    if code is None:
+        return f"was still tearing down after {TEARDOWN_SECONDS:.0f} s and was killed"
+    if code == ABORTED:
+        return "died of SIGABRT (exit code -6) after its body returned, in teardown or at exit"
+    if code == TEARDOWN_FAILED:
+        return "its teardown (barrier, destroy_process_group) raised"
+    if code < 0:
+        return f"died of {signal.Signals(-code).name} (exit code {code}) after its body returned"
+    return f"exited with code {code} after its body returned"
+
+
+def _launch(fn, world_size, args, kwargs, timeout) -> _Launch:
     ctx = _forkserver()
     store_path = tempfile.mktemp(prefix="sharded-store-")
     pipes, procs = [], []
@@ -64,13 +145,21 @@ def run_on_ranks(
         outcomes = _collect(pipes, procs, timeout)
     finally:
         all_ok = len(outcomes) == world_size and all(o[0] == "ok" for o in outcomes.values())
-        _reap(procs, teardown_seconds=10.0 if all_ok else 0.0)
+        exitcodes = _reap(procs, teardown_seconds=TEARDOWN_SECONDS if all_ok else 0.0)
         if os.path.exists(store_path):
             os.remove(store_path)
-    failures = {r: o for r, o in outcomes.items() if o[0] != "ok"}
-    if failures or len(outcomes) < world_size:
-        raise RankFailure(_describe(failures, outcomes, world_size, timeout))
-    return [outcomes[r][1] for r in range(world_size)]
+    return _Launch(world_size, timeout, outcomes, exitcodes if all_ok else {})
+
+
+def _report_retry(fn, launch: _Launch) -> None:
+    """Say, where a CI log shows it (stderr and pytest's warnings summary), that a launch is retried."""
+    message = (
+        f"run_on_ranks({getattr(fn, '__qualname__', fn)}, world {launch.world_size}): "
+        f"{launch.teardown_story()}; gloo's known abort at exit ('terminate called without an "
+        "active exception'), retrying the launch once"
+    )
+    print(message, file=sys.stderr, flush=True)
+    warnings.warn(message, AbortAtExitRetried, stacklevel=3)
 
 
 def assert_same_on_all_ranks(tensors: list[torch.Tensor], what: str) -> None:
@@ -101,8 +190,12 @@ def _rank_main(rank, world_size, fn, args, kwargs, store_path, sender) -> None:
         os._exit(1)  # the group may be poisoned: no teardown collectives
     sender.send(("ok", value, time.time()))
     sender.close()
-    dist.barrier()
-    dist.destroy_process_group()
+    try:
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+    except BaseException:
+        os._exit(TEARDOWN_FAILED)
 
 
 # ---------------------------------------------------------------------------- parent side
@@ -147,16 +240,19 @@ def _read(pipe, proc) -> tuple:
     return ("died", f"exited with code {proc.exitcode} before reporting a result", time.time())
 
 
-def _reap(procs, teardown_seconds: float) -> None:
-    """Give successful ranks time to tear down, then kill what is left. A rank that reported
-    success and then aborted in gloo teardown (a known rare crash) still counts as a success."""
+def _reap(procs, teardown_seconds: float) -> dict[int, Optional[int]]:
+    """Give ranks ``teardown_seconds`` to exit, then kill what is left. Returns each rank's exit
+    code, ``None`` for the ranks killed here."""
     end = time.monotonic() + teardown_seconds
     for proc in procs:
         proc.join(max(0.0, end - time.monotonic()))
-    for proc in procs:
+    exitcodes: dict[int, Optional[int]] = {}
+    for rank, proc in enumerate(procs):
+        exitcodes[rank] = proc.exitcode
         if proc.is_alive():
             proc.kill()
             proc.join()
+    return exitcodes
 
 
 def _describe(failures, outcomes, world_size, timeout) -> str:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests._harness import RankFailure, assert_same_on_all_ranks, run_on_ranks
+from tests._harness import AbortAtExitRetried, RankFailure, assert_same_on_all_ranks, run_on_ranks
 
 
 def _rank_and_sum(rank, world):
@@ -63,3 +64,65 @@ def test_assert_same_on_all_ranks_spots_the_odd_rank():
 def test_back_to_back_launches_do_not_collide():
     for _ in range(3):
         assert len(run_on_ranks(_rank_and_sum, 2)) == 2
+
+
+# ------------------------------------------------------------- gloo's abort at exit, and others
+
+
+def _count_launch(log):
+    """Rank 1 appends a line per launch; returns how many launches came before this one."""
+    earlier = len(open(log).readlines()) if os.path.exists(log) else 0
+    with open(log, "a") as f:
+        f.write("launch\n")
+    return earlier
+
+
+def _teardown_dies_on_rank_one(rank, world, log, launches_that_die, how):
+    """Rank 1's teardown (the harness's destroy_process_group, after the body returned) dies
+    ``how`` in its first ``launches_that_die`` launches, as gloo's abort at exit does."""
+    if rank == 1 and _count_launch(log) < launches_that_die:
+        dist.destroy_process_group = how
+    return rank
+
+
+def _abort(*args, **kwargs):
+    os.abort()
+
+
+def _exit_seven(*args, **kwargs):
+    os._exit(7)
+
+
+def test_an_abort_after_the_body_returned_is_retried_once_and_said(tmp_path, capsys):
+    log = str(tmp_path / "launches")
+    with pytest.warns(AbortAtExitRetried, match=r"rank 1 reported success, then died of SIGABRT"):
+        assert run_on_ranks(_teardown_dies_on_rank_one, 2, log, 1, _abort) == [0, 1]
+    assert len(open(log).readlines()) == 2
+    assert "retrying the launch once" in capsys.readouterr().err
+
+
+def test_an_abort_after_the_body_in_every_launch_fails_after_one_retry(tmp_path):
+    log = str(tmp_path / "launches")
+    with pytest.warns(AbortAtExitRetried), pytest.raises(RankFailure, match=r"died of SIGABRT[\s\S]*retried once only"):
+        run_on_ranks(_teardown_dies_on_rank_one, 2, log, 99, _abort)
+    assert len(open(log).readlines()) == 2
+
+
+def test_any_other_death_after_the_body_fails_without_retry(tmp_path):
+    log = str(tmp_path / "launches")
+    with pytest.raises(RankFailure, match=r"rank 1 reported success, then exited with code 7"):
+        run_on_ranks(_teardown_dies_on_rank_one, 2, log, 99, _exit_seven)
+    assert len(open(log).readlines()) == 1
+
+
+def _abort_in_the_body_on_rank_one(rank, world, log):
+    if rank == 1:
+        _count_launch(log)
+        os.abort()
+
+
+def test_an_abort_inside_the_body_fails_without_retry(tmp_path):
+    log = str(tmp_path / "launches")
+    with pytest.raises(RankFailure, match=r"rank 1 died:\nexited with code -6 before reporting a result"):
+        run_on_ranks(_abort_in_the_body_on_rank_one, 2, log, timeout=30)
+    assert len(open(log).readlines()) == 1

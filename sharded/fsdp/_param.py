@@ -175,16 +175,18 @@ class ShardedParam:
 
     def take_unsharded_grad(self, dtype: torch.dtype) -> Optional[torch.Tensor]:
         """The full gradient this rank has for the parameter so far (the unsharded ``.grad`` plus
-        what was accumulated with sync off), in ``dtype``; clears both."""
+        what was accumulated with sync off); clears both. A gradient accumulated with sync off is
+        in ``dtype``; a lone ``.grad`` keeps its own, as the reduce-scatter casts while it packs
+        (a cast here would copy every gradient once more)."""
         grad = self.unsharded.grad if self.unsharded is not None else None
         if self.unsharded is not None:
             self.unsharded.grad = None
         total, self.unsynced_grad = self.unsynced_grad, None
         if grad is None:
             return total
-        grad = grad.to(dtype)
         return grad if total is None else total.add_(grad)
 
     def keep_unsynced(self, dtype: torch.dtype) -> None:
-        """Move the unsharded ``.grad`` into the local accumulator (sync is off)."""
-        self.unsynced_grad = self.take_unsharded_grad(dtype)
+        """Move the unsharded ``.grad`` into the local accumulator, in ``dtype`` (sync is off)."""
+        taken = self.take_unsharded_grad(dtype)
+        self.unsynced_grad = None if taken is None else taken.to(dtype)

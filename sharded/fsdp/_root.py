@@ -122,7 +122,8 @@ class Root:
 
     def add_reduction(self, reduction: Reduction) -> None:
         for older in self._reductions:
-            older.advance()
+            if older.replicate_group is not None:  # its scatter done, start its all-reduce
+                older.advance()
         self._reductions.append(reduction)
         while len(self._reductions) > MAX_REDUCTIONS_IN_FLIGHT:
             self._reductions.pop(0).finish()

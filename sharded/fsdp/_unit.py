@@ -267,9 +267,13 @@ class Unit:
             self.root.prefetch_backward(self)
 
     def finish_step(self) -> None:
-        """End of backward: every gradient has landed."""
+        """End of backward: every gradient has landed. An all-gather still in flight (prefetched
+        for a backward that never reached the unit) is finished or freed here, not left for the
+        next forward, or for the interpreter at exit, to find."""
         if self.reshard_after_backward:
             self.reshard()
+        else:
+            self.wait_for_unshard()
         self.training_state = TrainingState.IDLE
         self.awaiting_backward = False
         self._open_forward_calls = 0
