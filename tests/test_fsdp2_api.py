@@ -163,6 +163,13 @@ def test_hybrid_sharding_defers_the_all_reduce_like_torch():
 # ------------------------------------------------------------------ single members
 
 
+def _float8_style() -> nn.Module:
+    """A layer whose weight has the all-gather extension torch's float8 training uses."""
+    layer = nn.Linear(4, 4)
+    layer.weight.fsdp_pre_all_gather = lambda *args: None
+    return layer
+
+
 class Skips(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -201,6 +208,7 @@ def _members(rank, world):
         (lambda: model.set_symm_mem_for_comm(), ["set_symm_mem_for_comm"]),
         (lambda: model.set_allocate_memory_from_process_group_for_comm(True), ["set_allocate_memory_from_process_group_for_comm"]),
         (lambda: model._get_fsdp_state()._fsdp_param_groups, ["_fsdp_param_groups"]),
+        (lambda: fully_shard(_float8_style()), ["fsdp_pre_all_gather"]),
     ):
         with pytest.raises(NotImplementedError) as raised:
             call()
