@@ -17,3 +17,8 @@ from .fsdp import __getattr__  # noqa: F401  layer 3 (fully_shard, FullyShardedD
 __version__ = "0.1.0"
 
 __all__ = ["OSS", "ShardedDataParallel", "ShardedGradScaler", "fully_shard", "FullyShardedDataParallel", "__version__"]
+
+
+def __dir__() -> list[str]:
+    """The module's names and the lazily imported layer-3 ones (``dir(sharded)`` lists ``fully_shard``)."""
+    return sorted(set(globals()) | set(__all__))

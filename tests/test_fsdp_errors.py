@@ -50,7 +50,9 @@ def _check_errors(rank, world):
     with _raises(ValueError, "ignored_params"):
         fully_shard(nn.Linear(2, 2), ignored_params=[nn.Parameter(torch.zeros(1))])
     with _raises(TypeError, "reshard_after_forward"):
-        fully_shard(nn.Linear(2, 2), reshard_after_forward=2)
+        fully_shard(nn.Linear(2, 2), reshard_after_forward="yes")
+    with _raises(ValueError, "reshard_after_forward=7", "divide"):
+        fully_shard(nn.Linear(2, 2), reshard_after_forward=7)
 
     with torch.device("meta"):
         on_meta = shard_gpt(gpt())

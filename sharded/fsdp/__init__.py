@@ -15,6 +15,7 @@ _EXPORTS = {
     "fully_shard": ".api",
     "FSDPModule": ".api",
     "UnshardHandle": ".api",
+    "register_fsdp_forward_method": ".api",
     "MixedPrecisionPolicy": ".policies",
     "OffloadPolicy": ".policies",
     "CPUOffloadPolicy": ".policies",

@@ -27,19 +27,24 @@ def check_not_sharded(module: nn.Module) -> None:
         raise ValueError(on_rank(f"fully_shard was already applied to this {unit.module_name}; call it once per module"))
 
 
-def collect_unit_params(module: nn.Module, ignored: set[int]) -> list[UnitParam]:
-    """The parameters of ``module`` and its submodules that no unit below owns and that are not
-    ``ignored`` (by id), in registration order, each with every slot it is registered in."""
+def collect_unit_params(modules: list[nn.Module], ignored: set[int]) -> list[UnitParam]:
+    """The parameters of ``modules`` and their submodules that no unit below owns and that are
+    not ``ignored`` (by id), in registration order, each with every slot it is registered in.
+    (Names are relative to the module; with several modules, prefixed by its list index.)"""
     found: dict[int, UnitParam] = {}
-    for prefix, sub in modules_outside_units(module):
-        for attr, param in sub._parameters.items():
-            if param is None or id(param) in ignored:
-                continue
-            name = prefix + attr
-            _check_can_take(param, name, type(module).__name__)
-            found.setdefault(id(param), (name, param, []))[2].append((sub, attr))
+    where = type(modules[0]).__name__ if len(modules) == 1 else f"[{', '.join(type(m).__name__ for m in modules)}]"
+    seen: set[int] = set()
+    for index, module in enumerate(modules):
+        start = "" if len(modules) == 1 else f"{index}."
+        for prefix, sub in modules_outside_units(module, start, seen):
+            for attr, param in sub._parameters.items():
+                if param is None or id(param) in ignored:
+                    continue
+                name = prefix + attr
+                _check_can_take(param, name, where)
+                found.setdefault(id(param), (name, param, []))[2].append((sub, attr))
     params = list(found.values())
-    _check_one_dtype(params, type(module).__name__)
+    _check_one_dtype(params, where)
     return params
 
 
@@ -64,9 +69,14 @@ def _check_can_take(param: nn.Parameter, name: str, where: str) -> None:
             "submodules first, then their parents, the root last"
         ))
     if isinstance(param, DTensor):
-        raise TypeError(on_rank(
-            f"fully_shard({where}): parameter {name} is already a DTensor; combining fully_shard with "
-            "tensor parallelism is not supported"
+        raise NotImplementedError(on_rank(
+            f"fully_shard({where}): parameter {name} is already a DTensor; 2-D FSDP + tensor parallelism "
+            "(sharding DTensor parameters on a data-parallel mesh dim) is not supported by sharded"
+        ))
+    if hasattr(param, "fsdp_pre_all_gather"):
+        raise NotImplementedError(on_rank(
+            f"fully_shard({where}): parameter {name} defines fsdp_pre_all_gather (a tensor subclass such as "
+            "float8 weights); the fsdp_pre_all_gather / fsdp_post_all_gather extension is not supported by sharded"
         ))
     replacement = replaced_as(param)
     if replacement is not None:

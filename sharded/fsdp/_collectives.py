@@ -14,7 +14,7 @@ average.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -23,9 +23,10 @@ from torch.profiler import record_function
 from .. import _comm
 from .._flat import column_blocks
 from ._param import ShardedParam
+from ._reduce_ops import DivisionPlan
 from ._streams import CommStreams
 
-__all__ = ["PendingGather", "start_all_gather", "Reduction", "start_reduce_scatter"]
+__all__ = ["PendingGather", "start_all_gather", "ReduceSettings", "Reduction", "start_reduce_scatter"]
 
 
 @dataclass
@@ -43,17 +44,40 @@ class PendingGather:
 
 
 def start_all_gather(
-    shard: torch.Tensor, dtype: torch.dtype, device: torch.device, group: dist.ProcessGroup, world: int
+    shard: torch.Tensor,
+    dtype: torch.dtype,
+    device: torch.device,
+    group: dist.ProcessGroup,
+    world: int,
+    comm: Optional[Any] = None,
 ) -> PendingGather:
     """Start gathering every rank's ``shard`` (cast to ``dtype`` on ``device`` first: a narrow
-    ``dtype`` halves the bytes sent) into one rank-major buffer."""
+    ``dtype`` halves the bytes sent) into one rank-major buffer. ``comm``: a user's
+    ``torch.distributed.fsdp.AllGather`` (``set_custom_all_gather``) allocates and gathers."""
     with record_function("sharded::all_gather"):
         sent = shard.to(device=device, dtype=dtype, non_blocking=True)
         if world == 1:
             return PendingGather(None, sent, sent)
-        output = torch.empty(world * sent.numel(), dtype=dtype, device=device)
+        size = world * sent.numel()
+        if comm is not None:
+            output = comm.allocate((size,), dtype=dtype, device=device)
+            return PendingGather(comm(output, sent, group, async_op=True), output, sent)
+        output = torch.empty(size, dtype=dtype, device=device)
         work = _comm.all_gather_into_tensor(output, sent, group, async_op=True)
         return PendingGather(work, output, sent)
+
+
+@dataclass(frozen=True)
+class ReduceSettings:
+    """How a unit reduces this backward's gradients (FSDP2's per-module settings)."""
+
+    plan: DivisionPlan
+    all_reduce_now: bool = True  # hybrid: False keeps the scattered sum for a later all-reduce
+    carried: Optional[torch.Tensor] = None  # scattered sums kept from earlier backwards
+    keep_partial: Optional[Callable[[torch.Tensor], None]] = None  # takes the output when deferring
+    hook: Optional[Callable[[torch.Tensor], None]] = None  # ``set_all_reduce_hook``
+    land_unused: bool = False  # ``set_reduce_scatter_unused_params``: zeros, not None
+    comm: Optional[Any] = None  # a user's ``ReduceScatter`` (``set_custom_reduce_scatter``)
 
 
 @dataclass
@@ -68,6 +92,7 @@ class Reduction:
     replicate_group: Optional[dist.ProcessGroup]
     streams: CommStreams
     sent: Optional[torch.Tensor]
+    settings: ReduceSettings
     _replica_work: Optional[dist.Work] = field(default=None)
     _scattered: bool = field(default=False)
 
@@ -79,16 +104,28 @@ class Reduction:
             if self.work is not None:
                 self.work.wait()
             self.work, self.sent, self._scattered = None, None, True
-            if self.replicate_group is not None:
-                self._replica_work = _comm.start_all_reduce(self.output, self.replicate_group, _comm.mean_op(self.output.dtype))
+            settings = self.settings
+            if settings.carried is not None:
+                self.output.add_(settings.carried)
+            if self.replicate_group is not None and settings.all_reduce_now:
+                self._replica_work = _comm.start_all_reduce(self.output, self.replicate_group, settings.plan.replica_op)
 
     def finish(self) -> None:
-        """Wait for everything, then add each received shard to its parameter's ``.grad``."""
+        """Wait for everything, then add each received shard to its parameter's ``.grad`` (or,
+        hybrid with the all-reduce deferred, hand the scattered sum back to the unit)."""
         self.advance()
+        settings = self.settings
         with self.streams.on_reduce_scatter(), record_function("sharded::land_gradients"):
+            if self.replicate_group is not None and not settings.all_reduce_now and settings.keep_partial is not None:
+                settings.keep_partial(self.output)
+                return
             if self._replica_work is not None:
                 self._replica_work.wait()
-            used = self._used_anywhere()
+            if settings.hook is not None:
+                settings.hook(self.output)
+            if settings.plan.post_divide is not None:
+                self.output.div_(settings.plan.post_divide)
+            used = [True] * len(self.params) if settings.land_unused else self._used_anywhere()
             slots = self.output.split([sp.geometry.slot_numel for sp in self.params] + [len(self.params)])
             for sp, slot, is_used in zip(self.params, slots, used):
                 if is_used:
@@ -111,14 +148,18 @@ def start_reduce_scatter(
     world: int,
     replicate_group: Optional[dist.ProcessGroup],
     streams: CommStreams,
+    settings: ReduceSettings,
 ) -> Reduction:
-    """Start averaging ``grads`` (full gradients of ``params``, ``None`` where this rank has
-    none) over ``group``, each rank receiving its shard of every parameter."""
+    """Start reducing ``grads`` (full gradients of ``params``, ``None`` where this rank has
+    none) over ``group`` as ``settings`` say (by default averaging), each rank receiving its
+    shard of every parameter."""
     present = [g for g in grads if g is not None]
     streams.reduce_scatter_after_compute(present)
     widths = [sp.geometry.slot_numel for sp in params] + [len(params)]
+    plan, comm = settings.plan, settings.comm
     with streams.on_reduce_scatter(), record_function("sharded::reduce_scatter"):
-        sent = torch.empty(world * sum(widths), dtype=dtype, device=device)
+        size = world * sum(widths)
+        sent = comm.allocate((size,), dtype=dtype, device=device) if comm is not None else torch.empty(size, dtype=dtype, device=device)
         blocks = column_blocks(sent, world, widths)
         targets, sources, zeros = [], [], []
         for sp, grad, block in zip(params, grads, blocks):
@@ -130,12 +171,19 @@ def start_reduce_scatter(
         torch._foreach_copy_(targets, sources)
         if zeros:
             torch._foreach_zero_(zeros)
+        if plan.pre_multiply is not None:
+            sent.mul_(plan.pre_multiply)
+        if plan.pre_divide is not None:
+            sent.div_(plan.pre_divide)
         if world == 1:
             output, work = sent, None
+        elif comm is not None:
+            output = comm.allocate((sum(widths),), dtype=dtype, device=device)
+            work = comm(output, sent, group, plan.scatter_op, async_op=True)
         else:
             output = torch.empty(sum(widths), dtype=dtype, device=device)
-            work = _comm.reduce_scatter_tensor(output, sent, group, _comm.mean_op(dtype), async_op=True)
-    reduction = Reduction(list(params), had_grad, output, work, replicate_group, streams, sent)
+            work = _comm.reduce_scatter_tensor(output, sent, group, plan.scatter_op, async_op=True)
+    reduction = Reduction(list(params), had_grad, output, work, replicate_group, streams, sent, settings)
     if world == 1:
         reduction.advance()
     return reduction

@@ -45,6 +45,11 @@ class Root:
     @classmethod
     def claim(cls, unit: Unit) -> "Root":
         """Make ``unit`` the root of every unit in its module's subtree (collective)."""
+        if len(unit.modules) > 1:
+            raise RuntimeError(on_rank(
+                f"fully_shard({unit.module_name}) made one unit over several modules, and one of them ran "
+                "forward first, so it would be the root; apply fully_shard to their common parent too"
+            ))
         units = units_under(unit.module)
         busy = [u for u in units if u.training_state is not TrainingState.IDLE]
         if busy:
@@ -52,6 +57,9 @@ class Root:
         root = cls(unit, units)
         for u in units:
             u.root = root
+            u.context = unit.context
+            if u.reshard_after_forward is None:  # FSDP2's default: True, except for the root
+                u.reshard_after_forward = u is not unit
         root._name_parameters(unit.module)
         root._check_same_across_ranks()
         logger.debug("%s is the root of %d units", unit, len(units))
@@ -77,6 +85,10 @@ class Root:
 
     def begin_forward(self) -> None:
         self._this_forward = {}
+        event, self.unit.context.post_optim_event = self.unit.context.post_optim_event, None
+        if event is not None:
+            for streams in {u.streams for u in self.units}:
+                streams.all_gather_waits(event)
 
     def record_forward(self, unit: Unit) -> None:
         self._this_forward.setdefault(unit)
@@ -85,6 +97,9 @@ class Root:
         """Remember this forward's order; free whatever no backward will need."""
         self.forward_order = list(self._this_forward)
         self._position = {u: i for i, u in enumerate(self.forward_order)}
+        for u in self.units:
+            if u is not self.unit and u.training_state is TrainingState.FORWARD:
+                u.complete_forward(grad_enabled)  # a list unit some of whose modules did not run
         for u in self.units:
             unused_prefetch = u is not self.unit and not u.awaiting_backward and u.reshard_after_forward
             if not grad_enabled or (unused_prefetch and u.shard_state is not ShardState.SHARDED):
@@ -125,15 +140,35 @@ class Root:
             if older.replicate_group is not None:  # its scatter done, start its all-reduce
                 older.advance()
         self._reductions.append(reduction)
-        while len(self._reductions) > MAX_REDUCTIONS_IN_FLIGHT:
+        while len(self._reductions) > self._max_in_flight():
             self._reductions.pop(0).finish()
+
+    def _max_in_flight(self) -> int:
+        """``set_reduce_scatter_max_input_buffers``: the largest any unit asked for."""
+        asked = [u.max_reductions_in_flight for u in self.units if u.max_reductions_in_flight is not None]
+        return max(asked, default=MAX_REDUCTIONS_IN_FLIGHT)
+
+    def reset(self) -> None:
+        """``reset_iter_state``: wait for every collective in flight (so the ranks stay in step),
+        drop the gradients they carry, and return every unit to rest."""
+        for reduction in self._reductions:
+            reduction.advance()
+            if reduction._replica_work is not None:
+                reduction._replica_work.wait()
+        self._reductions = []
+        for u in self.units:
+            u.reset()
+        self._this_forward = {}
+        self.in_backward = False
 
     def _finish_backward(self) -> None:
         try:
             for u in self.units:
                 if u.needs_post_backward:
                     u.post_backward()
-            while self._reductions:
+            # set_is_last_backward(False) (microbatching): the newest reductions may land later
+            keep = self._max_in_flight() if not self.unit.context.is_last_backward else 0
+            while len(self._reductions) > keep:
                 self._reductions.pop(0).finish()
             for streams in {u.streams for u in self.units}:
                 streams.compute_after_reduce_scatter()

@@ -20,7 +20,7 @@ overlap comes from asynchronous work handles alone.
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager, Iterable, Optional
+from typing import Any, ContextManager, Iterable, Optional
 
 import torch
 
@@ -46,6 +46,11 @@ class CommStreams:
         """Order later all-gather-stream work after everything queued for computation so far."""
         if self._cuda:
             self._all_gather.wait_stream(torch.cuda.current_stream())
+
+    def all_gather_waits(self, event: Any) -> None:
+        """Order later all-gathers after ``event`` (``set_post_optim_event``: the optimizer step)."""
+        if self._cuda:
+            self._all_gather.wait_event(event)
 
     def reduce_scatter_after_compute(self, grads: Iterable[torch.Tensor]) -> None:
         """Order the next reduce-scatter after the computation that produced ``grads``, and keep

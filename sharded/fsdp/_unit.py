@@ -18,15 +18,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._collectives import PendingGather, start_all_gather, start_reduce_scatter
+from ._collectives import PendingGather, ReduceSettings, start_all_gather, start_reduce_scatter
 from ._hooks import cast_floats, register_pre_backward, watch_input_gradients
 from ._mesh import MeshInfo
 from ._param import ShardedParam
+from ._reduce_ops import division_plan
 from ._storage import UnitStorage
 from ._streams import CommStreams
 from .policies import BackwardPrefetch, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-__all__ = ["ShardState", "TrainingState", "UnitConfig", "Unit", "unit_of", "units_under"]
+__all__ = ["ShardState", "TrainingState", "UnitConfig", "StepContext", "Unit", "unit_of", "units_under"]
 
 _UNITS: "weakref.WeakKeyDictionary[nn.Module, Unit]" = weakref.WeakKeyDictionary()
 _STREAMS: dict[torch.device, CommStreams] = {}
@@ -51,11 +52,20 @@ class UnitConfig:
 
     mp_policy: MixedPrecisionPolicy
     offload_policy: Optional[OffloadPolicy]
-    reshard_after_forward: bool
+    reshard_after_forward: Optional[bool]  # None: True, except for the root
 
     @property
     def offloads(self) -> bool:
         return isinstance(self.offload_policy, CPUOffloadPolicy)
+
+
+@dataclass
+class StepContext:
+    """Settings of a whole model's step, shared by all its units once the root is known
+    (``set_is_last_backward``, ``set_post_optim_event``)."""
+
+    is_last_backward: bool = True
+    post_optim_event: Optional[Any] = None
 
 
 def unit_of(module: nn.Module) -> Optional["Unit"]:
@@ -64,22 +74,31 @@ def unit_of(module: nn.Module) -> Optional["Unit"]:
 
 
 def units_under(module: nn.Module) -> list["Unit"]:
-    """The units of ``module`` and its submodules, outermost first."""
-    found = [unit_of(m) for m in module.modules()]
+    """The units of ``module`` and its submodules, outermost first (a unit made over several
+    modules once)."""
+    found = {unit_of(m): None for m in module.modules()}
     return [u for u in found if u is not None]
 
 
 class Unit:
     """One ``fully_shard`` call's parameters, with their collectives and lifecycle.
 
-    Settings users change through the module's methods: ``reshard_after_forward``,
-    ``reshard_after_backward``, ``requires_gradient_sync``, explicit ``forward_prefetch`` /
-    ``backward_prefetch`` lists and ``backward_prefetch_timing``.
+    Settings users change through the module's methods (FSDP2's ``FSDPModule`` API):
+    ``reshard_after_forward``, ``reshard_after_backward``, ``requires_gradient_sync``,
+    ``requires_all_reduce``, explicit ``forward_prefetch`` / ``backward_prefetch`` lists and
+    ``backward_prefetch_timing``, ``unshard_in_backward``, and how gradients are reduced
+    (``gradient_divide_factor``, ``force_sum_reduction``, ``reduce_scatter_unused_params``,
+    ``all_reduce_hook``, custom collectives, a separate reduce-scatter group).
+
+    ``modules``: the module(s) one ``fully_shard`` call was given; a list makes one unit that
+    all of them use (e.g. a final norm and the output head).
     """
 
-    def __init__(self, module: nn.Module, params: Sequence[ShardedParam], mesh_info: MeshInfo, config: UnitConfig) -> None:
-        self.module = module
-        self.module_name = type(module).__name__
+    def __init__(self, modules: Sequence[nn.Module], params: Sequence[ShardedParam], mesh_info: MeshInfo, config: UnitConfig) -> None:
+        self.modules = list(modules)
+        self.module = self.modules[0]
+        names = [type(m).__name__ for m in self.modules]
+        self.module_name = names[0] if len(names) == 1 else f"[{', '.join(names)}]"
         self.params = list(params)
         self.mesh_info = mesh_info
         self.config = config
@@ -101,14 +120,32 @@ class Unit:
         self.reshard_after_forward = config.reshard_after_forward
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
+        self.requires_all_reduce = True
+        self.unshard_in_backward = True
+        self.gradient_divide_factor: Optional[float] = None
+        self.force_sum_reduction = False
+        self.reduce_scatter_unused_params = False
+        self.max_reductions_in_flight: Optional[int] = None
+        self.all_reduce_hook: Optional[Any] = None
+        self.custom_all_gather: Optional[Any] = None
+        self.custom_reduce_scatter: Optional[Any] = None
+        self.reduce_scatter_group: Optional[dist.ProcessGroup] = None
+        self.context = StepContext()
+        self._partial_reduction: Optional[torch.Tensor] = None  # hybrid, all-reduce deferred
+        self._modules_to_run: set[nn.Module] = set()  # of a list unit, in this forward
         self.forward_prefetch: Optional[list[Unit]] = None
         self.backward_prefetch: Optional[list[Unit]] = None
         self.backward_prefetch_timing: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE
         self._gather: Optional[PendingGather] = None
         self.awaiting_backward = False  # ran a grad-enabled forward whose backward is not finished
         self._open_forward_calls = 0  # grad-enabled forward calls whose inputs' gradients are pending
+        # a grad-enabled call had no input needing a gradient, so no hook tells when its backward
+        # is done: the unit's gradients are sent at the end of backward (e.g. a list unit with
+        # the token embedding, whose weight is tied to the head: one reduction, not two)
+        self._reduce_at_end = False
         self._sync_this_backward = True
-        _UNITS[module] = self
+        for module in self.modules:
+            _UNITS[module] = self
 
     def __repr__(self) -> str:
         return f"fully_shard({self.module_name}) on rank {dist.get_rank()}"
@@ -139,6 +176,7 @@ class Unit:
                     self.device,
                     self.mesh_info.shard_group,
                     self.mesh_info.shard_world,
+                    self.custom_all_gather,
                 )
         self.shard_state = ShardState.GATHERING
 
@@ -172,43 +210,54 @@ class Unit:
 
     # ------------------------------------------------------------------------ forward
 
-    def pre_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    def pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
         root = self.root
         if root.in_backward:  # activation checkpointing recomputes this forward during backward
             self.unshard()
             return args, kwargs
-        if root.unit is self:
-            root.begin_forward()
-        self.training_state = TrainingState.FORWARD
-        root.record_forward(self)
-        self.unshard(async_op=True)
-        root.prefetch_forward(self)
-        self.wait_for_unshard()
+        if self.training_state is not TrainingState.FORWARD:  # the first of a list unit's modules
+            if root.unit is self:
+                root.begin_forward()
+            self.training_state = TrainingState.FORWARD
+            self._modules_to_run = set(self.modules)
+            root.record_forward(self)
+            self.unshard(async_op=True)
+            root.prefetch_forward(self)
+            self.wait_for_unshard()
         mp = self.config.mp_policy
         if mp.param_dtype is not None and mp.cast_forward_inputs:
             args, kwargs = cast_floats((args, kwargs), mp.param_dtype)
         if torch.is_grad_enabled():
             self.awaiting_backward = True
             self._sync_this_backward = self.requires_gradient_sync
-            self._open_forward_calls += watch_input_gradients(self._on_input_gradients, args, kwargs)
+            watched = watch_input_gradients(self._on_input_gradients, args, kwargs)
+            self._open_forward_calls += watched
+            self._reduce_at_end = self._reduce_at_end or not watched
         return args, kwargs
 
-    def post_forward(self, output: Any) -> Any:
+    def post_forward(self, module: nn.Module, output: Any) -> Any:
         root = self.root
         if root.in_backward:
             return output
         grad_enabled = torch.is_grad_enabled()
-        keep = grad_enabled and (root.unit is self or not self.reshard_after_forward)
-        if not keep:
-            self.reshard()
-        self.training_state = TrainingState.IDLE
         if grad_enabled:
             register_pre_backward(self.pre_backward, output)
+        self._modules_to_run.discard(module)
+        if not self._modules_to_run and self.training_state is TrainingState.FORWARD:
+            self.complete_forward(grad_enabled)
         if self.config.mp_policy.output_dtype is not None:
             output = cast_floats(output, self.config.mp_policy.output_dtype)
         if root.unit is self:
             root.end_forward(grad_enabled)
         return output
+
+    def complete_forward(self, grad_enabled: bool) -> None:
+        """Every module of the unit has run (or the root's forward ended): free the gathered
+        parameters unless backward will want them kept."""
+        self._modules_to_run = set()
+        if not (grad_enabled and self.reshard_after_forward is False):
+            self.reshard()
+        self.training_state = TrainingState.IDLE
 
     # ----------------------------------------------------------------------- backward
 
@@ -217,7 +266,8 @@ class Unit:
         if self.training_state is TrainingState.PRE_BACKWARD:
             return
         self.training_state = TrainingState.PRE_BACKWARD
-        self.unshard(async_op=True)
+        if self.unshard_in_backward:
+            self.unshard(async_op=True)
         if self.backward_prefetch_timing is BackwardPrefetch.BACKWARD_PRE:
             self.root.prefetch_backward(self)
         self.wait_for_unshard()
@@ -225,7 +275,8 @@ class Unit:
     def _on_input_gradients(self) -> None:
         if self._open_forward_calls > 0:
             self._open_forward_calls -= 1
-            if self._open_forward_calls == 0 and self.training_state is TrainingState.PRE_BACKWARD:
+            done = self._open_forward_calls == 0 and not self._reduce_at_end
+            if done and self.training_state is TrainingState.PRE_BACKWARD:
                 self.post_backward()
 
     @property
@@ -252,10 +303,11 @@ class Unit:
                     grads,
                     self.reduce_dtype,
                     self.device,
-                    self.mesh_info.shard_group,
+                    self.reduce_scatter_group or self.mesh_info.shard_group,
                     self.mesh_info.shard_world,
                     self.mesh_info.replicate_group,
                     self.streams,
+                    self._reduce_settings(),
                 )
             )
         else:
@@ -265,6 +317,44 @@ class Unit:
             self.reshard()
         if self.backward_prefetch_timing is BackwardPrefetch.BACKWARD_POST:
             self.root.prefetch_backward(self)
+
+    def _reduce_settings(self) -> ReduceSettings:
+        info = self.mesh_info
+        replicas = info.mesh.size(0) if info.replicate_group is not None else 1
+        plan = division_plan(
+            self.reduce_dtype, info.shard_world, replicas, self.gradient_divide_factor, self.force_sum_reduction
+        )
+        carried, self._partial_reduction = self._partial_reduction, None
+        return ReduceSettings(
+            plan,
+            all_reduce_now=self.requires_all_reduce,
+            carried=carried,
+            keep_partial=self._keep_partial,
+            hook=self.all_reduce_hook,
+            land_unused=self.reduce_scatter_unused_params,
+            comm=self.custom_reduce_scatter,
+        )
+
+    def _keep_partial(self, scattered: torch.Tensor) -> None:
+        self._partial_reduction = scattered
+
+    def reset(self) -> None:
+        """Back to rest after a failed forward or backward: gathered parameters freed, the
+        step's gradients not yet reduced (accumulated with sync off, or awaiting a deferred
+        all-reduce) dropped."""
+        if self._gather is not None:
+            self._gather.wait()
+        self.reshard()
+        for sp in self.params:
+            sp.unsynced_grad = None
+            if sp.unsharded is not None:
+                sp.unsharded.grad = None
+        self._partial_reduction = None
+        self._modules_to_run = set()
+        self.training_state = TrainingState.IDLE
+        self.awaiting_backward = False
+        self._open_forward_calls = 0
+        self._reduce_at_end = False
 
     def finish_step(self) -> None:
         """End of backward: every gradient has landed. An all-gather still in flight (prefetched
@@ -277,6 +367,7 @@ class Unit:
         self.training_state = TrainingState.IDLE
         self.awaiting_backward = False
         self._open_forward_calls = 0
+        self._reduce_at_end = False
 
     # ------------------------------------------------------------------ full parameters
 

@@ -155,7 +155,8 @@ class FullyShardedDataParallel(nn.Module):
             _cast_buffers(module, mixed_precision.buffer_dtype)
         shard: dict[str, Any] = dict(
             mesh=mesh,
-            reshard_after_forward=strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD),
+            # None: FSDP2's "after forward, except the root" (FSDP1 keeps the root gathered too)
+            reshard_after_forward=None if strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD) else False,
             offload_policy=CPUOffloadPolicy() if cpu_offload is not None and cpu_offload.offload_params else None,
         )
         policy = as_wrap_policy(auto_wrap_policy if auto_wrap_policy is not None else fsdp_auto_wrap_policy)

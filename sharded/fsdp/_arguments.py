@@ -1,0 +1,76 @@
+"""``fully_shard``'s arguments in torch's spellings, turned into what a unit is built from.
+
+torch's own ``MixedPrecisionPolicy`` / ``OffloadPolicy`` / ``CPUOffloadPolicy`` objects become
+ours (same fields); ``reshard_after_forward`` may be ``None`` or an ``int`` as in torch 2.13; and
+``shard_placement_fn`` is asked about every parameter. What sharded does not implement raises
+``NotImplementedError`` naming the argument, never a silent difference.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+from torch.distributed.tensor import Shard
+
+from ._errors import on_rank
+from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+__all__ = ["as_our_policies", "resolve_reshard_after_forward", "check_placements"]
+
+
+def as_our_policies(mp_policy: Any, offload_policy: Any) -> tuple[MixedPrecisionPolicy, Optional[OffloadPolicy]]:
+    """``(mp_policy, offload_policy)`` as sharded's dataclasses (torch's are converted)."""
+    from torch.distributed import fsdp as torch_fsdp
+
+    if isinstance(mp_policy, torch_fsdp.MixedPrecisionPolicy):
+        mp_policy = MixedPrecisionPolicy(
+            param_dtype=mp_policy.param_dtype,
+            reduce_dtype=mp_policy.reduce_dtype,
+            output_dtype=mp_policy.output_dtype,
+            cast_forward_inputs=mp_policy.cast_forward_inputs,
+        )
+    elif not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(on_rank(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}"))
+    if isinstance(offload_policy, torch_fsdp.CPUOffloadPolicy):
+        offload_policy = CPUOffloadPolicy(pin_memory=offload_policy.pin_memory)
+    elif isinstance(offload_policy, torch_fsdp.OffloadPolicy):
+        offload_policy = None
+    elif offload_policy is not None and not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(on_rank(f"offload_policy must be an OffloadPolicy, got {type(offload_policy).__name__}"))
+    return mp_policy, offload_policy
+
+
+def resolve_reshard_after_forward(value: Any, shard_world: int) -> Optional[bool]:
+    """``None`` / ``True`` / ``False`` as they are; an ``int`` (the world to reshard to after
+    forward) as torch reads it: the shard world is ``True``, 1 is ``False``."""
+    if value is None or isinstance(value, bool):
+        return value
+    if not isinstance(value, int):
+        raise TypeError(on_rank(f"reshard_after_forward must be True, False, None or an int, got {value!r}"))
+    if value < 1 or value > shard_world or shard_world % value:
+        raise ValueError(on_rank(
+            f"reshard_after_forward={value}: as an int it is the world to reshard to after forward, "
+            f"and must divide the shard world size {shard_world}"
+        ))
+    if value == shard_world:
+        return True
+    if value == 1:
+        return False
+    raise NotImplementedError(on_rank(
+        f"reshard_after_forward={value} (resharding to a smaller world of {value} after forward, ZeRO++'s "
+        f"secondary shard) is not supported by sharded; use True ({shard_world}) or False (1)"
+    ))
+
+
+def check_placements(shard_placement_fn: Optional[Callable[[Any], Any]], taken: Sequence[tuple]) -> None:
+    """Every parameter must be sharded on dim 0 (``None`` or ``Shard(0)`` from the function)."""
+    if shard_placement_fn is None:
+        return
+    for name, param, _ in taken:
+        placement = shard_placement_fn(param)
+        if placement is None or (type(placement) is Shard and placement.dim in (0, -param.dim() if param.dim() else 0)):
+            continue
+        raise NotImplementedError(on_rank(
+            f"fully_shard(shard_placement_fn=...) returned {placement!r} for parameter {name}; sharded "
+            "shards every parameter on dim 0 (Shard(0)) over the mesh given to fully_shard"
+        ))

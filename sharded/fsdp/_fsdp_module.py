@@ -1,0 +1,318 @@
+"""``FSDPModule``: the methods a module gains from ``fully_shard``, on sharded's mechanism.
+
+It subclasses torch's ``torch.distributed.fsdp.FSDPModule``, so code that asks
+``isinstance(m, FSDPModule)`` (torchtitan, pipelining, Lightning) treats our modules as FSDP2
+modules; and it overrides every member of torch's class, because torch's implementations read
+torch's private FSDP state, which our modules do not have. A member that cannot apply here
+raises ``NotImplementedError`` naming itself. ``tests/test_fsdp2_api.py`` checks that none is
+inherited.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
+
+from ._errors import on_rank
+from ._root import Root
+from ._unit import Unit, unit_of, units_under
+
+__all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "run_pre_forward"]
+
+
+def run_pre_forward(unit: Unit, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    """A unit's forward pre-hook: the first unit to run becomes the root, then it gathers."""
+    if unit.root is None:
+        Root.claim(unit)
+    return unit.pre_forward(module, args, kwargs)
+
+
+class UnshardHandle(TorchUnshardHandle):
+    """Returned by ``module.unshard(async_op=True)``: ``wait()`` finishes the all-gather (the
+    module's next forward also waits for it)."""
+
+    def __init__(self, unit: Unit) -> None:
+        self._unit: Optional[Unit] = unit
+
+    def wait(self) -> None:
+        if self._unit is not None:
+            self._unit.wait_for_unshard()
+            self._unit = None
+
+
+class _StateView:
+    """What ``FSDPModule._get_fsdp_state()`` returns: enough of torch's ``FSDPState`` for torch's
+    own ``register_fsdp_forward_method`` to work on our modules; any other attribute is torch
+    internals we do not have, and says so."""
+
+    def __init__(self, module: nn.Module, unit: Unit) -> None:
+        self._module, self._unit = module, unit
+
+    def _pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        return run_pre_forward(self._unit, module, args, kwargs)
+
+    def _post_forward(self, module: nn.Module, _input: Any, output: Any) -> Any:
+        return self._unit.post_forward(module, output)
+
+    def __getattr__(self, name: str) -> Any:
+        raise NotImplementedError(on_rank(
+            f"torch FSDP internals asked a sharded.fully_shard module for FSDPState.{name}; sharded's "
+            "units keep their state in sharded.fsdp, not in torch's FSDPState"
+        ))
+
+
+def _unsupported(member: str, why: str) -> NotImplementedError:
+    return NotImplementedError(on_rank(f"FSDPModule.{member} is not supported by sharded.fully_shard: {why}"))
+
+
+class FSDPModule(TorchFSDPModule):
+    """Methods a module gains from ``fully_shard`` (mixed into its class, ahead of it)."""
+
+    # [FSDP<Orig>, sharded's FSDPModule, torch's FSDPModule, Orig, ...]
+    _orig_cls_mro_index: int = 3
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        """Constructing the class again (e.g. ``nn.Sequential`` slicing, ``type(m)(...)``) builds
+        the original, unsharded class, as torch's does."""
+        orig = next(c for c in cls.__mro__ if not issubclass(c, TorchFSDPModule))
+        self = orig.__new__(orig, *args, **kwargs)
+        self.__init__(*args, **kwargs)  # type: ignore[misc]
+        return self
+
+    # ------------------------------------------------------------------ helpers
+
+    def _fsdp_unit(self) -> Unit:
+        return unit_of(self)  # type: ignore[arg-type,return-value]
+
+    def _fsdp_units(self, recurse: bool) -> list[Unit]:
+        return units_under(self) if recurse else [self._fsdp_unit()]  # type: ignore[arg-type]
+
+    def _get_fsdp_state(self) -> Any:  # torch's helpers (register_fsdp_forward_method) call it
+        return _StateView(self, self._fsdp_unit())  # type: ignore[arg-type]
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        """``module.to(...)`` and friends: reshard first (the module then holds its shards),
+        then the original class's ``_apply``; the unit repacks its shards at the next gather."""
+        self._fsdp_unit().reshard()
+        return super(TorchFSDPModule, self)._apply(*args, **kwargs)  # type: ignore[misc]
+
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        raise _unsupported("_set_unshard_async_op", "a unit's forward always starts its all-gather "
+                           "asynchronously and waits for it before computing")
+
+    # ---------------------------------------------------------- gather and free
+
+    def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:  # type: ignore[override]
+        """All-gather this module's own unit now (e.g. to prefetch by hand); with ``async_op``
+        return a handle whose ``wait()`` finishes it. Its next forward then gathers nothing."""
+        unit = self._fsdp_unit()
+        unit.unshard(async_op=async_op)
+        return UnshardHandle(unit) if async_op else None
+
+    def reshard(self) -> None:
+        """Free this module's gathered parameters (its unit only)."""
+        self._fsdp_unit().reshard()
+
+    def reset_iter_state(self) -> None:
+        """After a forward or backward raised: wait for the collectives in flight, drop the
+        failed step's unreduced gradients, free gathered parameters, return every unit to rest.
+        Call it on the root (the module ``fully_shard`` was applied to last)."""
+        unit = self._fsdp_unit()
+        if unit.root is None:
+            for u in units_under(self):  # type: ignore[arg-type]
+                u.reset()
+            return
+        if unit.root.unit is not unit:
+            raise RuntimeError(on_rank(
+                f"reset_iter_state must be called on the root module ({unit.root.unit.module_name}), "
+                f"not on {unit.module_name}"
+            ))
+        unit.root.reset()
+
+    # ------------------------------------------------------------ step settings
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """``False``: the next backward may leave its newest gradient reductions in flight
+        (microbatching, pipelining); they land at the latest at the end of a backward with
+        ``True``, which waits for all. Shared by the whole model, as in torch."""
+        self._fsdp_unit().context.is_last_backward = bool(is_last_backward)
+
+    def set_post_optim_event(self, event: Any) -> None:
+        """The root's next forward orders its all-gathers after ``event`` (recorded after the
+        optimizer step). On the CPU there are no streams and nothing to order."""
+        self._fsdp_unit().context.post_optim_event = event
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """``False``: backward accumulates full gradients locally with no communication (gradient
+        accumulation); the next backward with ``True`` reduce-scatters the sum. As with DDP's
+        ``no_sync``, the setting in force at a forward decides for its backward. For hybrid
+        sharding this covers the all-reduce across replicas too."""
+        for unit in self._fsdp_units(recurse):
+            unit.requires_gradient_sync = requires_gradient_sync
+            unit.requires_all_reduce = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """Hybrid sharding: ``False`` reduce-scatters within the shard group now and keeps the
+        result, deferring the all-reduce across replicas to the next backward with ``True``
+        (gradients land in ``.grad`` then). No effect on a 1-D mesh."""
+        for unit in self._fsdp_units(recurse):
+            unit.requires_all_reduce = requires_all_reduce
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Free gathered parameters after forward (``True``, also for the root) or keep them for
+        backward (``False``)."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(on_rank(f"reshard_after_forward should be a bool, got {type(reshard_after_forward)}"))
+        for unit in self._fsdp_units(recurse):
+            unit.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """``False`` keeps parameters gathered after backward (saves the next forward's
+        all-gather while accumulating gradients, at the cost of memory)."""
+        for unit in self._fsdp_units(recurse):
+            unit.reshard_after_backward = reshard_after_backward
+
+    def set_modules_to_forward_prefetch(self, modules: list[Any]) -> None:
+        """Gather these sharded modules while this one computes its forward (replaces the
+        default: the module that ran next in the previous forward)."""
+        self._fsdp_unit().forward_prefetch = _units_of(modules)
+
+    def set_modules_to_backward_prefetch(self, modules: list[Any]) -> None:
+        """Gather these sharded modules when this one's backward starts (replaces the default:
+        the module that ran before it in forward)."""
+        self._fsdp_unit().backward_prefetch = _units_of(modules)
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """``False``: backward does not gather this unit's parameters (for units whose backward
+        needs none of them, e.g. an embedding whose input needs no gradient)."""
+        self._fsdp_unit().unshard_in_backward = unshard_in_backward
+
+    # ---------------------------------------------------------- gradient reduction
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Sum this unit's gradients over every data-parallel rank, then divide by ``factor``
+        (``1.0``: a plain sum) instead of averaging. This module's unit only, as in torch."""
+        if not factor > 0:
+            raise ValueError(on_rank(f"set_gradient_divide_factor needs a positive factor, got {factor!r}"))
+        self._fsdp_unit().gradient_divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated name of :meth:`set_gradient_divide_factor`."""
+        warnings.warn("Use `set_gradient_divide_factor` instead", FutureWarning, stacklevel=2)
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Only ``SUM`` in the collectives: the division by the factor (default: the number of
+        data-parallel ranks) happens on the reduced shard (for float16, half before)."""
+        self._fsdp_unit().force_sum_reduction = bool(enable)
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """Whatever this says, a parameter one rank did not use is reduce-scattered with zeros
+        (ranks never disagree on the collective). ``True``: a parameter no rank used gets a zero
+        ``.grad``, as in torch; ``False`` (default): it keeps ``grad = None``, as with DDP."""
+        for unit in self._fsdp_units(recurse):
+            unit.reduce_scatter_unused_params = reduce_scatter_unused_params
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """How many units' gradient reductions (and their send buffers) may be in flight before
+        the oldest is waited for: memory against overlap. The largest value any unit of a model
+        asks for applies to the model."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(on_rank(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}"))
+        if max_input_buffers < 1:
+            raise ValueError(on_rank(f"max_input_buffers must be a positive int, got {max_input_buffers}"))
+        for unit in self._fsdp_units(recurse):
+            unit.max_reductions_in_flight = max_input_buffers
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        """Reduce-scatter over a process group of its own (same ranks as the shard group), so it
+        can overlap all-gathers on the wire. Collective over the shard ranks, like torch's."""
+        created: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for unit in self._fsdp_units(recurse):
+            if not enable:
+                unit.reduce_scatter_group = None
+                continue
+            ranks = tuple(dist.get_process_group_ranks(unit.mesh_info.shard_group))
+            if ranks not in created:
+                created[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+            unit.reduce_scatter_group = created[ranks]
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Optional[Any] = None) -> None:
+        """Call ``hook(reduced)`` on this unit's reduced gradient shard (after the all-reduce
+        across replicas with hybrid sharding, else after the reduce-scatter), before it lands."""
+        unit = self._fsdp_unit()
+        if stream is not None:
+            if unit.mesh_info.replicate_group is not None:
+                raise ValueError(on_rank("stream cannot be set when using native HSDP"))
+            raise _unsupported("set_all_reduce_hook(stream=...)", "the hook runs on sharded's own "
+                               "reduce-scatter stream, after the reduction it follows")
+        unit.all_reduce_hook = hook
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        """Gather this unit's parameters with ``comm`` (a ``torch.distributed.fsdp.AllGather``:
+        ``allocate`` for the output buffer, then the collective)."""
+        self._fsdp_unit().custom_all_gather = comm
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        """Reduce-scatter this unit's gradients with ``comm`` (a
+        ``torch.distributed.fsdp.ReduceScatter``)."""
+        self._fsdp_unit().custom_reduce_scatter = comm
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """``False`` is what sharded always does; ``True`` raises."""
+        if enable:
+            raise _unsupported("set_allocate_memory_from_process_group_for_comm", "communication "
+                               "buffers come from torch's allocator (a process group's own allocator, "
+                               "NCCL's zero-copy buffers, is not wired in)")
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        raise _unsupported("set_symm_mem_for_comm", f"symmetric-memory ({backend}) all-gathers need "
+                           "NCCL on CUDA and torch's staging buffers, which sharded does not use")
+
+    # ------------------------------------------------------------- sharded's extras
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Context for DDP habits: forwards inside it accumulate gradients without communication
+        (``set_requires_gradient_sync(False)`` for the module's units, restored on exit)."""
+        units = self._fsdp_units(recurse=True)
+        previous = [(u.requires_gradient_sync, u.requires_all_reduce) for u in units]
+        for unit in units:
+            unit.requires_gradient_sync = False
+        try:
+            yield
+        finally:
+            for unit, (sync, all_reduce) in zip(units, previous):
+                unit.requires_gradient_sync, unit.requires_all_reduce = sync, all_reduce
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>`` (e.g. ``generate``) gather and free the module's unit as its
+    ``forward`` does. A no-op for a module ``fully_shard`` was not applied to."""
+    if not isinstance(module, TorchFSDPModule):
+        return
+    if not hasattr(module, method_name):
+        raise ValueError(on_rank(f"{type(module)} does not have a method {method_name}"))
+    original = getattr(module, method_name)
+    state = module._get_fsdp_state()
+
+    def wrapped(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = state._pre_forward(self, args, kwargs)
+        return state._post_forward(self, args, original(*args, **kwargs))
+
+    setattr(module, method_name, wrapped.__get__(module, type(module)))
+
+
+def _units_of(modules: list[Any]) -> list[Unit]:
+    units = [unit_of(m) for m in modules]
+    missing = [type(m).__name__ for m, u in zip(modules, units) if u is None]
+    if missing:
+        raise ValueError(on_rank(f"prefetch targets must be modules fully_shard was applied to; {missing[0]} is not"))
+    return units  # type: ignore[return-value]
