@@ -14,10 +14,11 @@ average.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, cast
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from .. import _comm
@@ -161,7 +162,9 @@ def start_reduce_scatter(
         size = world * sum(widths)
         sent = comm.allocate((size,), dtype=dtype, device=device) if comm is not None else torch.empty(size, dtype=dtype, device=device)
         blocks = column_blocks(sent, world, widths)
-        targets, sources, zeros = [], [], []
+        targets: list[torch.Tensor] = []
+        sources: list[torch.Tensor] = []
+        zeros: list[torch.Tensor] = []
         for sp, grad, block in zip(params, grads, blocks):
             _spread_rows(sp, grad, block, targets, sources, zeros)
         had_grad = [g is not None for g in grads]
@@ -189,7 +192,14 @@ def start_reduce_scatter(
     return reduction
 
 
-def _spread_rows(sp, grad, block, targets, sources, zeros) -> None:
+def _spread_rows(
+    sp: ShardedParam,
+    grad: Optional[torch.Tensor],
+    block: torch.Tensor,
+    targets: list[torch.Tensor],
+    sources: list[torch.Tensor],
+    zeros: list[torch.Tensor],
+) -> None:
     """Plan copying the full ``grad`` of ``sp`` into ``block`` (``world x slot``): rank ``r``'s
     rows into row ``r``, zeros in the padding (and everywhere if ``grad`` is ``None``)."""
     g = sp.geometry
@@ -220,7 +230,8 @@ def _land_gradient(sp: ShardedParam, local_grad: torch.Tensor) -> None:
     """Add ``local_grad`` (this rank's rows, in the reduce dtype) to ``sp``'s sharded ``.grad``."""
     master = sp.local_shard()
     local_grad = local_grad.to(device=master.device, dtype=master.dtype, non_blocking=True)
-    if sp.sharded.grad is None:
+    grad = sp.sharded.grad
+    if grad is None:
         sp.sharded.grad = sp.as_dtensor(local_grad)
     else:
-        sp.sharded.grad.to_local().add_(local_grad)
+        cast(DTensor, grad).to_local().add_(local_grad)

@@ -57,6 +57,8 @@ def _restore_shards(unit: Unit, writeback: bool) -> None:
     for sp in unit.params:
         if writeback:
             full = sp.held_by_module()
+            if full is None:
+                raise RuntimeError(on_rank(f"summon_full_params(writeback=True): parameter {sp.fqn} was removed from its module"))
             with torch.no_grad():
                 sp.local_shard().copy_(sp.rows_of(full.detach()))
         sp.show_sharded()

@@ -59,7 +59,7 @@ def resolve_mesh(process_group: Optional[dist.ProcessGroup], mesh: Optional[Devi
     if process_group is not None and mesh is not None:
         raise ValueError(on_rank("pass process_group or mesh to fully_shard, not both"))
     if mesh is None:
-        group = process_group or dist.group.WORLD
+        group = _group_or_world(process_group)
         mesh = DeviceMesh.from_group(group, _device_type(group))
     if mesh.ndim not in (1, 2):
         raise ValueError(on_rank(f"fully_shard takes a 1-D mesh (shard) or a 2-D mesh (replicate, shard), got {mesh.ndim}-D"))
@@ -69,7 +69,7 @@ def resolve_mesh(process_group: Optional[dist.ProcessGroup], mesh: Optional[Devi
 def hybrid_mesh(shard_size: int, group: Optional[dist.ProcessGroup] = None) -> DeviceMesh:
     """A 2-D ``(replicate, shard)`` mesh over ``group`` (default: the world) whose rows are
     ``shard_size`` consecutive ranks, e.g. the ranks of one node. Collective: every rank calls it."""
-    group = group or dist.group.WORLD
+    group = _group_or_world(group)
     world = dist.get_world_size(group)
     if shard_size < 1 or world % shard_size:
         raise ValueError(on_rank(f"hybrid sharding needs the world size ({world}) to be a multiple of the shard size ({shard_size})"))
@@ -92,6 +92,13 @@ def mesh_from_groups(shard_group: dist.ProcessGroup, replicate_group: dist.Proce
     return DeviceMesh.from_group(
         [replicate_group, shard_group], _device_type(shard_group), mesh=torch.tensor(unique), mesh_dim_names=("replicate", "shard")
     )
+
+
+def _group_or_world(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
+    chosen = group or dist.group.WORLD
+    if chosen is None:
+        raise RuntimeError(on_rank("torch.distributed is not initialised: call dist.init_process_group first"))
+    return chosen
 
 
 def _device_type(group: dist.ProcessGroup) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, cast
 
 import torch
 from torch import nn
@@ -99,12 +99,19 @@ class ShardedParam:
         self.shard_rank = shard_rank
         self._mesh = mesh
         self._placements = placements_for(geometry, mesh)
-        self.sharded: Optional[nn.Parameter] = None
-        self.unsharded: Optional[nn.Parameter] = None
+        self._sharded: Optional[nn.Parameter] = None  # set by the first attach_shard
+        self.unsharded: Optional[nn.Parameter] = None  # set by the unit's storage before a gather
         # the gradient summed locally while gradient sync is off (no_sync), in the reduce dtype
         self.unsynced_grad: Optional[torch.Tensor] = None
 
     # ----------------------------------------------------------------------- sharded form
+
+    @property
+    def sharded(self) -> nn.Parameter:
+        """The sharded parameter (exists from ``fully_shard`` on: the storage attaches it)."""
+        if self._sharded is None:
+            raise RuntimeError(f"parameter {self.fqn} has no shard attached yet")
+        return self._sharded
 
     @property
     def requires_grad(self) -> bool:
@@ -141,17 +148,17 @@ class ShardedParam:
         and carry its gradient and attributes over.
         """
         fresh = nn.Parameter(self.as_dtensor(self.local_part(slot)), requires_grad=requires_grad)
-        if self.sharded is None:
-            self.sharded = fresh
+        if self._sharded is None:
+            self._sharded = fresh
             return
-        fresh.grad = self.sharded.grad
-        fresh.__dict__.update(self.sharded.__dict__)
-        torch.utils.swap_tensors(self.sharded, fresh)
+        fresh.grad = self._sharded.grad
+        fresh.__dict__.update(self._sharded.__dict__)
+        torch.utils.swap_tensors(self._sharded, fresh)
 
     def local_shard(self) -> torch.Tensor:
         """The sharded parameter's current local tensor."""
         with torch.no_grad():
-            return self.sharded.to_local()
+            return cast(DTensor, self.sharded).to_local()
 
     # ---------------------------------------------------------------- what modules hold
 
@@ -164,9 +171,13 @@ class ShardedParam:
         self.show(self.sharded)
 
     def show_unsharded(self) -> None:
+        """Register the gathered parameter (built by the storage before any gather)."""
+        if self.unsharded is None:
+            raise RuntimeError(f"parameter {self.fqn} has no unsharded form yet")
+        self.unsharded.requires_grad_(self.requires_grad)
         self.show(self.unsharded)
 
-    def held_by_module(self) -> object:
+    def held_by_module(self) -> Optional[torch.Tensor]:
         """What the first slot holds now (a user may have replaced the parameter)."""
         module, name = self.slots[0]
         return module._parameters.get(name)

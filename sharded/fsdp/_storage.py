@@ -145,7 +145,7 @@ class UnitStorage:
         self.free_unsharded()
 
     def allocate_unsharded(self) -> None:
-        if not self.aliases_shards:
+        if not self.aliases_shards and self._unsharded_flat is not None:
             storage = self._unsharded_flat.untyped_storage()
             nbytes = self._unsharded_flat.numel() * self._unsharded_flat.element_size()
             if storage.nbytes() != nbytes:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 import weakref
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,9 @@ from ._reduce_ops import division_plan
 from ._storage import UnitStorage
 from ._streams import CommStreams
 from .policies import BackwardPrefetch, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+if TYPE_CHECKING:
+    from ._root import Root
 
 __all__ = ["ShardState", "TrainingState", "UnitConfig", "StepContext", "Unit", "unit_of", "units_under"]
 
@@ -108,7 +111,7 @@ class Unit:
             mesh_info.shard_world,
             self.device,
             offload_to_cpu=config.offloads,
-            pin_memory=config.offloads and config.offload_policy.pin_memory,
+            pin_memory=isinstance(config.offload_policy, CPUOffloadPolicy) and config.offload_policy.pin_memory,
             unsharded_dtype=config.mp_policy.param_dtype,
         )
         if self.device not in _STREAMS:
@@ -116,7 +119,7 @@ class Unit:
         self.streams = _STREAMS[self.device]
         self.shard_state = ShardState.SHARDED
         self.training_state = TrainingState.IDLE
-        self.root = None  # the Root of the model this unit runs in, set at the first forward
+        self.root: Optional[Root] = None  # the Root of the model this unit runs in, set at the first forward
         self.reshard_after_forward = config.reshard_after_forward
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
@@ -149,6 +152,13 @@ class Unit:
 
     def __repr__(self) -> str:
         return f"fully_shard({self.module_name}) on rank {dist.get_rank()}"
+
+    @property
+    def running_root(self) -> Root:
+        """The root, known from the model's first forward on (every hook runs after it)."""
+        if self.root is None:
+            raise RuntimeError(f"{self!r} has no root yet: the model has not run forward")
+        return self.root
 
     @property
     def reduce_dtype(self) -> torch.dtype:
@@ -193,7 +203,6 @@ class Unit:
             self._gather = None
             self.streams.compute_waits(ready)
         for sp in self.params:
-            sp.unsharded.requires_grad_(sp.requires_grad)
             sp.show_unsharded()
         self.shard_state = ShardState.UNSHARDED
 
@@ -211,7 +220,7 @@ class Unit:
     # ------------------------------------------------------------------------ forward
 
     def pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        root = self.root
+        root = self.running_root
         if root.in_backward:  # activation checkpointing recomputes this forward during backward
             self.unshard()
             return args, kwargs
@@ -236,7 +245,7 @@ class Unit:
         return args, kwargs
 
     def post_forward(self, module: nn.Module, output: Any) -> Any:
-        root = self.root
+        root = self.running_root
         if root.in_backward:
             return output
         grad_enabled = torch.is_grad_enabled()
@@ -262,14 +271,14 @@ class Unit:
     # ----------------------------------------------------------------------- backward
 
     def pre_backward(self) -> None:
-        self.root.begin_backward()
+        self.running_root.begin_backward()
         if self.training_state is TrainingState.PRE_BACKWARD:
             return
         self.training_state = TrainingState.PRE_BACKWARD
         if self.unshard_in_backward:
             self.unshard(async_op=True)
         if self.backward_prefetch_timing is BackwardPrefetch.BACKWARD_PRE:
-            self.root.prefetch_backward(self)
+            self.running_root.prefetch_backward(self)
         self.wait_for_unshard()
 
     def _on_input_gradients(self) -> None:
@@ -297,7 +306,7 @@ class Unit:
         trainable = [sp for sp in self.params if sp.requires_grad]
         if trainable and self._sync_this_backward:
             grads = [sp.take_unsharded_grad(self.reduce_dtype) for sp in trainable]
-            self.root.add_reduction(
+            self.running_root.add_reduction(
                 start_reduce_scatter(
                     trainable,
                     grads,
@@ -316,7 +325,7 @@ class Unit:
         if self.reshard_after_backward:
             self.reshard()
         if self.backward_prefetch_timing is BackwardPrefetch.BACKWARD_POST:
-            self.root.prefetch_backward(self)
+            self.running_root.prefetch_backward(self)
 
     def _reduce_settings(self) -> ReduceSettings:
         info = self.mesh_info

@@ -9,7 +9,7 @@ model-wide forward/backward duties).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -105,7 +105,7 @@ def fully_shard(
     for m in modules:
         _move_buffers(m, info.device)
         install_forward_hooks(m, functools.partial(run_pre_forward, unit, m), functools.partial(unit.post_forward, m))
-        m.__class__ = _with_fsdp_methods(type(m))
+        m.__class__ = _with_fsdp_methods(cast(type, type(m)))
     install_optimizer_guard()
     return module
 

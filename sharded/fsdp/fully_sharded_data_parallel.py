@@ -14,7 +14,7 @@ import enum
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Union
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, TypeVar, Union, cast, overload
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .._broadcast import plan_broadcasts, start_broadcasts
 from ._collect import modules_outside_units
 from ._errors import on_rank
+from ._fsdp_module import FSDPModule
 from ._full_params import full_state_dict, load_full_state_dict, summon_full_params
 from ._grad_norm import clip_grad_norm_
 from ._mesh import MeshInfo, hybrid_mesh, mesh_from_groups, resolve_mesh
@@ -69,6 +70,7 @@ class MixedPrecision:
 
 
 ProcessGroups = Union[None, dist.ProcessGroup, tuple]
+_Destination = TypeVar("_Destination", bound=dict[str, Any])
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -184,7 +186,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Forwards inside accumulate gradients locally, with no communication."""
-        return self.module.no_sync()
+        return cast(FSDPModule, self.module).no_sync()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip all gradients by their global norm (over every rank's shards); returns that norm."""
@@ -202,6 +204,12 @@ class FullyShardedDataParallel(nn.Module):
         if with_grads:
             raise NotImplementedError(on_rank("summon_full_params(with_grads=True) is not supported"))
         return summon_full_params(module, writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu)
+
+    @overload
+    def state_dict(self, *, destination: _Destination, prefix: str = ..., keep_vars: bool = ...) -> _Destination: ...
+
+    @overload
+    def state_dict(self, *, prefix: str = ..., keep_vars: bool = ...) -> dict[str, Any]: ...
 
     def state_dict(self, *args: Any, destination: Optional[dict] = None, prefix: str = "", keep_vars: bool = False) -> dict:
         """Collective: full tensors under the unwrapped model's names, on every rank."""
@@ -223,14 +231,12 @@ class FullyShardedDataParallel(nn.Module):
 
 def _mesh_for(strategy: ShardingStrategy, process_group: ProcessGroups, device_mesh: Optional[DeviceMesh]) -> DeviceMesh:
     hybrid = strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
-    if not hybrid and isinstance(process_group, tuple):
-        raise ValueError(on_rank(f"a (shard_group, replicate_group) pair is for hybrid sharding, not {strategy.name}"))
+    if isinstance(process_group, tuple):
+        if not hybrid:
+            raise ValueError(on_rank(f"a (shard_group, replicate_group) pair is for hybrid sharding, not {strategy.name}"))
+        return device_mesh if device_mesh is not None else mesh_from_groups(*process_group)
     if hybrid:
-        if device_mesh is not None:
-            return device_mesh
-        if isinstance(process_group, tuple):
-            return mesh_from_groups(*process_group)
-        return hybrid_mesh(_ranks_per_node(), process_group)
+        return device_mesh if device_mesh is not None else hybrid_mesh(_ranks_per_node(), process_group)
     if strategy is ShardingStrategy.NO_SHARD:
         return hybrid_mesh(1, process_group)
     return device_mesh if device_mesh is not None else resolve_mesh(process_group, None).mesh

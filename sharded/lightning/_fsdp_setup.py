@@ -112,7 +112,7 @@ def parse_strategy_arguments(
 
 
 def with_hybrid_mesh(
-    config: FSDPConfig, shape: Optional[tuple[int, int]], device_type: str, nodes: int, processes_per_node: int
+    config: FSDPConfig, shape: Optional[tuple[int, ...]], device_type: str, nodes: int, processes_per_node: int
 ) -> FSDPConfig:
     """``config`` with the ``(replicate, shard)`` device mesh of hybrid sharding built: of
     ``shape`` when given, else, under ``HYBRID_SHARD`` without a mesh or process groups of the

@@ -12,13 +12,14 @@ not DDP's class), and ``ShardedDataParallel.no_sync`` accumulates without commun
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import lightning.pytorch as pl
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
+from ..oss import OSS
 from ..sharded_ddp import ShardedDataParallel
 from ._sharding import ShardingConfig, point_schedulers_at, shard_optimizers, wrap_stage2
 from .precision import ShardedPrecisionPlugin
@@ -103,7 +104,7 @@ class ShardedDDPStrategy(ShardedPrecisionPlugin, DDPStrategy):
         sharded = shard_optimizers(self.optimizers, self._sharding.broadcast_fp16)
         replaced = {old: new for old, new in zip(self.optimizers, sharded) if old is not new}
         point_schedulers_at([config.scheduler for config in self.lr_scheduler_configs], replaced)
-        self.optimizers = sharded
+        self.optimizers = list(sharded)
 
     def configure_ddp(self) -> None:
         """Wrap the model: DDP at stage 1, ``ShardedDataParallel`` over the optimizers at stage 2."""
@@ -111,7 +112,8 @@ class ShardedDDPStrategy(ShardedPrecisionPlugin, DDPStrategy):
             super().configure_ddp()
             return
         assert self.model is not None
-        self.model = wrap_stage2(self.model, self.optimizers, self._wrapper_kwargs)
+        oss = cast("list[OSS]", self.optimizers)  # setup_optimizers made each one an OSS
+        self.model = wrap_stage2(self.model, oss, self._wrapper_kwargs)
 
     def _check_optimization_mode(self) -> None:
         assert self.lightning_module is not None

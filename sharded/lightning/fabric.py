@@ -93,7 +93,7 @@ class ShardedDDPStrategy(ShardedFabricPrecision, DDPStrategy):
             return super().setup_module(module), list(sharded), scheduler
         return wrap_stage2(module, sharded, self._wrapper_kwargs), list(sharded), scheduler
 
-    def setup_module(self, module: nn.Module) -> nn.Module:
+    def setup_module(self, module: nn.Module) -> DistributedDataParallel:
         """Stage 1: wrap in DDP. Stage 2 needs the optimizers: use ``fabric.setup(model, optimizer)``."""
         if self.stage == 2:
             raise NotImplementedError(self._err_msg_joint_setup_required())

@@ -111,7 +111,9 @@ class ShardedFSDPStrategy(ShardedFabricPrecision, DDPStrategy):
             point_schedulers_at([scheduler], dict(zip(optimizers, rebuilt)))
         return wrapped, rebuilt, scheduler
 
-    def setup_module(self, module: nn.Module) -> nn.Module:
+    # DDPStrategy promises a DistributedDataParallel; this strategy reuses its launch and process
+    # group set-up but returns the sharded module (as Lightning's own FSDPStrategy does)
+    def setup_module(self, module: nn.Module) -> nn.Module:  # type: ignore[override]
         """Shard ``module`` (once: a module set up again is only wrapped); build the optimizer
         afterwards, from its parameters."""
         if is_sharded(module):
