@@ -16,6 +16,8 @@ from typing import Iterator, Optional
 
 import torch.distributed as dist
 
+from .._errors import on_rank
+
 __all__ = ["PeerFailure", "detect_peer_failure"]
 
 # Backend errors that mean a peer is gone or unresponsive, not a bug on this rank.
@@ -48,12 +50,11 @@ def detect_peer_failure() -> Iterator[None]:
         cause = _peer_failure_in(error)
         if cause is None:
             raise
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        raise PeerFailure(
-            f"rank {rank}: a peer rank failed (it died, hung past the process group's timeout, or "
+        raise PeerFailure(on_rank(
+            f"a peer rank failed (it died, hung past the process group's timeout, or "
             f"became unreachable): {_first_line(cause)}. This rank stops too; restart the job "
             "(torchrun --max-restarts does) to resume from the last complete checkpoint"
-        ) from error
+        )) from error
 
 
 def _peer_failure_in(error: BaseException) -> Optional[BaseException]:

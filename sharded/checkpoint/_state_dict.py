@@ -24,10 +24,10 @@ from itertools import chain
 from typing import Any, Mapping, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+from .._errors import process_rank
 from .._state_dict import hyperparams
 from ..oss import OSS
 from ._checks import CheckpointError, Shape, check_entries, check_filled, check_param_groups, check_state_shapes
@@ -63,7 +63,7 @@ def get_state_dict(model: nn.Module, optimizers: Optimizers = (), *, full: bool 
         return _full_state_dict(module, listed, single=isinstance(optimizers, Optimizer))
     state: dict[str, Any] = {"model": module.state_dict()}
     if listed:
-        state["optim"] = optimizer_entries(listed, param_fqns(module), _rank())
+        state["optim"] = optimizer_entries(listed, param_fqns(module), process_rank())
     return state
 
 
@@ -76,7 +76,7 @@ def set_state_dict(model: nn.Module, optimizers: Optimizers, state: Mapping[str,
     names what does not fit and leaves model and optimizers untouched. Each ``OSS`` keeps the
     state of the parameters it owns. ``state`` may lack ``"model"`` to load optimizers only.
     """
-    module, listed, rank = unwrap(model), as_optimizer_list(optimizers), _rank()
+    module, listed, rank = unwrap(model), as_optimizer_list(optimizers), process_rank()
     source = f"rank {rank}'s state dict"
     check_filled(unfilled_params(state.get("optim", {}).get("state", {})), rank, source)
     if "model" in state:
@@ -145,7 +145,7 @@ def _optimizer_loads(
 
 
 def _full_state_dict(module: nn.Module, optimizers: list[Optimizer], single: bool) -> dict[str, Any]:
-    rank = _rank()
+    rank = process_rank()
     model = {key: _full_copy(value, keep=rank == 0) for key, value in module.state_dict().items()}
     optims = [_full_optimizer_state(optimizer, rank) for optimizer in optimizers]
     if rank != 0:
@@ -186,6 +186,3 @@ def _full_copy(value: Any, keep: bool) -> Any:
 def _shapes(entries: Mapping[str, Any]) -> dict[str, Shape]:
     return {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in entries.items()}
 
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

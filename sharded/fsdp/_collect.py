@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ._errors import on_rank
+from .._errors import on_rank
 from ._registry import owner_of, replaced_as
 from ._unit import unit_of
 

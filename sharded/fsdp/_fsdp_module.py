@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
 
-from ._errors import on_rank
+from .._errors import on_rank
 from ._root import Root
 from ._unit import Unit, unit_of, units_under
 

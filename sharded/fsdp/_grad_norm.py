@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .. import _comm
-from ._errors import on_rank
+from .._errors import on_rank
 
 __all__ = ["clip_grad_norm_", "global_grad_norm"]
 

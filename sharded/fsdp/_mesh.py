@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from .. import _comm
-from ._errors import on_rank
+from .._errors import on_rank
 
 __all__ = ["MeshInfo", "resolve_mesh", "hybrid_mesh", "mesh_from_groups"]
 

@@ -15,7 +15,8 @@ from typing import Any, Optional
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
-import torch.distributed as dist
+
+from .._errors import on_rank
 
 __all__ = ["register_sharded", "owner_of", "retire", "replaced_as", "install_optimizer_guard"]
 
@@ -68,9 +69,8 @@ def _refuse_replaced_params(optimizer: torch.optim.Optimizer, _args: Any, _kwarg
         for param in group["params"]:
             replacement = replaced_as(param)
             if replacement is not None:
-                rank = dist.get_rank() if dist.is_initialized() else 0
-                raise RuntimeError(
-                    f"rank {rank}: {type(optimizer).__name__} holds parameter {replacement} as it was before "
+                raise RuntimeError(on_rank(
+                    f"{type(optimizer).__name__} holds parameter {replacement} as it was before "
                     "sharding; it gets no gradient, so this optimizer would train nothing. "
                     "Build the optimizer after fully_shard / FullyShardedDataParallel, from model.parameters()"
-                )
+                ))

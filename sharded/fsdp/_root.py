@@ -18,7 +18,7 @@ from torch import nn
 
 from .._checks import check_same_across_ranks
 from ._collectives import Reduction
-from ._errors import on_rank
+from .._errors import on_rank
 from ._unit import ShardState, TrainingState, Unit, units_under
 
 __all__ = ["Root"]

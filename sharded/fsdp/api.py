@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ._arguments import as_our_policies, check_placements, resolve_reshard_after_forward
 from ._collect import check_not_sharded, collect_unit_params
-from ._errors import on_rank
+from .._errors import on_rank
 from ._fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method, run_pre_forward
 from ._hooks import install_forward_hooks
 from ._mesh import resolve_mesh

@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .._broadcast import plan_broadcasts, start_broadcasts
 from ._collect import modules_outside_units
-from ._errors import on_rank
+from .._errors import on_rank
 from ._fsdp_module import FSDPModule
 from ._full_params import full_state_dict, load_full_state_dict, summon_full_params
 from ._grad_norm import clip_grad_norm_

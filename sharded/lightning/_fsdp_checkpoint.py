@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -44,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 
 from .. import checkpoint
+from .._errors import on_rank
 from ..checkpoint import CheckpointError
 from ..checkpoint._ranks import Ranks
 from ..checkpoint._storage import METADATA_FILE
@@ -145,10 +145,10 @@ def load_sharded(folder: Path, module: Optional[nn.Module], optimizers: Sequence
 def _saved_rest(saved: Any, folder: Path) -> dict[str, Any]:
     if isinstance(saved, tuple) and len(saved) == 1 and isinstance(saved[0], dict):
         return dict(saved[0])
-    raise CheckpointError(
-        f"rank {Ranks(None).rank}: {folder}: its '{LIGHTNING_KEY}' entry holds a {type(saved).__name__}, "
+    raise CheckpointError(on_rank(
+        f"{folder}: its '{LIGHTNING_KEY}' entry holds a {type(saved).__name__}, "
         "not a checkpoint's other state; it was not written by sharded.lightning. Nothing was loaded"
-    )
+    ))
 
 
 def _merged(optimizer_states: Sequence[Mapping[str, Any]], rank: int) -> dict[str, Any]:
@@ -226,11 +226,11 @@ def read_file(path: Path) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as error:
-        raise pickle.UnpicklingError(
-            f"rank {dist.get_rank() if dist.is_initialized() else 0}: {path} holds an object that "
+        raise pickle.UnpicklingError(on_rank(
+            f"{path} holds an object that "
             f"torch.load(weights_only=True) does not load (save hyperparameters as plain values, e.g. "
             f"vars(namespace)): {error}"
-        ) from error
+        )) from error
 
 
 def load_full(
@@ -244,10 +244,10 @@ def load_full(
     if not optimizers or states is None:
         return rest
     if len(states) != len(optimizers):
-        raise ValueError(
-            f"rank {dist.get_rank()}: {path} holds the state of {len(states)} optimizers, but "
+        raise ValueError(on_rank(
+            f"{path} holds the state of {len(states)} optimizers, but "
             f"configure_optimizers returned {len(optimizers)}"
-        )
+        ))
     for index, (optimizer, state) in enumerate(zip(optimizers, states)):
         load_full_optimizer_state(module, optimizer, state, what=f"{path}: optimizer {index}")
     return rest
@@ -275,10 +275,10 @@ def _keyed_by_name(state: Mapping[str, Any], module: nn.Module, optimizer: Optim
     names = [name_of[id(param)] for group in optimizer.param_groups for param in group["params"]]
     saved = [p for group in state["param_groups"] for p in group["params"]]
     if sorted(saved) != list(range(len(names))):
-        raise ValueError(
-            f"rank {dist.get_rank()}: {what} holds the state of {len(saved)} parameters, but the optimizer "
+        raise ValueError(on_rank(
+            f"{what} holds the state of {len(saved)} parameters, but the optimizer "
             f"has {len(names)}; resume with the optimizer (and param groups) that saved it"
-        )
+        ))
     return {
         "state": {names[i]: value for i, value in state["state"].items()},
         "param_groups": [{**group, "params": [names[i] for i in group["params"]]} for group in state["param_groups"]],

@@ -16,11 +16,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 from torch.utils.checkpoint import checkpoint
 
+from .._errors import on_rank
 from ..fsdp import FullyShardedDataParallel
 from ..fsdp.fully_sharded_data_parallel import CPUOffload, MixedPrecision, ShardingStrategy
 from ..fsdp.wrap import as_wrap_policy, modules_to_wrap
@@ -186,15 +186,15 @@ def rebuild_optimizers(optimizers: list[Optimizer], names_before: dict[int, str]
     rebuilt = []
     for index, optimizer in enumerate(optimizers):
         if optimizer.state:
-            raise ValueError(f"rank {_rank()}: optimizer {index} has stepped already; set it up before training")
+            raise ValueError(on_rank(f"optimizer {index} has stepped already; set it up before training"))
         groups = []
         for group in optimizer.param_groups:
             strays = [p for p in group["params"] if id(p) not in names_before]
             if strays:
-                raise ValueError(
-                    f"rank {_rank()}: optimizer {index} holds a parameter of shape {tuple(strays[0].shape)} that is not a "
+                raise ValueError(on_rank(
+                    f"optimizer {index} holds a parameter of shape {tuple(strays[0].shape)} that is not a "
                     "parameter of the module set up with it"
-                )
+                ))
             groups.append({**group, "params": [now[names_before[id(p)]] for p in group["params"]]})
         rebuilt.append(type(optimizer)(groups, **constructor_defaults(optimizer)))
     return rebuilt
@@ -219,10 +219,10 @@ def checkpoint_activations(module: nn.Module, policy: Optional[Callable[..., boo
 def _as_sharding_strategy(value: Any) -> ShardingStrategy:
     name = value if isinstance(value, str) else getattr(value, "name", None)
     if not isinstance(name, str) or name.upper() not in _STRATEGY_NAMES:
-        raise ValueError(
-            f"rank {_rank()}: sharding_strategy must be one of {', '.join(_STRATEGY_NAMES)} (a name or a "
+        raise ValueError(on_rank(
+            f"sharding_strategy must be one of {', '.join(_STRATEGY_NAMES)} (a name or a "
             f"ShardingStrategy member), got {value!r}"
-        )
+        ))
     return ShardingStrategy[name.upper()]
 
 
@@ -230,7 +230,7 @@ def _as_cpu_offload(value: Any) -> CPUOffload:
     if value is None or isinstance(value, bool):
         return CPUOffload(offload_params=bool(value))
     if not hasattr(value, "offload_params"):
-        raise TypeError(f"rank {_rank()}: cpu_offload must be True, False or a CPUOffload, got {value!r}")
+        raise TypeError(on_rank(f"cpu_offload must be True, False or a CPUOffload, got {value!r}"))
     return CPUOffload(offload_params=bool(value.offload_params))
 
 
@@ -240,7 +240,7 @@ def _as_mixed_precision(value: Any) -> Optional[MixedPrecision]:
         return value
     fields = [name for name in inspect.signature(MixedPrecision).parameters if hasattr(value, name)]
     if "param_dtype" not in fields:
-        raise TypeError(f"rank {_rank()}: mixed_precision must be a MixedPrecision (sharded's or torch FSDP's), got {value!r}")
+        raise TypeError(on_rank(f"mixed_precision must be a MixedPrecision (sharded's or torch FSDP's), got {value!r}"))
     return MixedPrecision(**{name: getattr(value, name) for name in fields})
 
 
@@ -248,23 +248,20 @@ def _as_policy(argument: str, value: Any) -> Optional[Callable[..., bool]]:
     try:
         return as_wrap_policy(value)
     except TypeError:
-        raise TypeError(
-            f"rank {_rank()}: {argument} must be a set of layer classes (nn.Module subclasses) or a wrap-policy "
+        raise TypeError(on_rank(
+            f"{argument} must be a set of layer classes (nn.Module subclasses) or a wrap-policy "
             f"callable, got {value!r}"
-        ) from None
+        )) from None
 
 
 def _checked_wrapper_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
     accepted = set(inspect.signature(FullyShardedDataParallel.__init__).parameters) - set(_SET_BY_STRATEGY)
     unknown = sorted(set(kwargs) - accepted)
     if unknown:
-        raise ValueError(
-            f"rank {_rank()}: the FSDP strategy passes its extra arguments to sharded.FullyShardedDataParallel, which "
+        raise ValueError(on_rank(
+            f"the FSDP strategy passes its extra arguments to sharded.FullyShardedDataParallel, which "
             f"does not take {', '.join(unknown)}; it takes {', '.join(sorted(accepted))}"
-        )
+        ))
     return dict(kwargs)
 
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import ConstantLR, LRScheduler
 
+from .._errors import on_rank
 from ..grad_scaler import ShardedGradScaler
 from ..oss import OSS
 from ..sharded_ddp import ShardedDataParallel
@@ -111,10 +111,10 @@ def _as_oss(optimizer: Optimizer, index: int, broadcast_fp16: bool) -> OSS:
             optimizer.param_groups, type(optimizer), broadcast_fp16=broadcast_fp16, **constructor_defaults(optimizer)
         )
     except TypeError as error:
-        raise TypeError(
-            f"rank {_rank()}: optimizer {index} ({type(optimizer).__module__}.{type(optimizer).__qualname__}) "
+        raise TypeError(on_rank(
+            f"optimizer {index} ({type(optimizer).__module__}.{type(optimizer).__qualname__}) "
             f"cannot be sharded by sharded.OSS: {error}"
-        ) from error
+        )) from error
 
 
 def constructor_defaults(optimizer: Optimizer) -> dict[str, Any]:
@@ -160,10 +160,9 @@ def _track_optimizer_steps(optimizer: Optimizer) -> None:
 def wrap_stage2(module: nn.Module, optimizers: Sequence[OSS], wrapper_kwargs: Mapping[str, Any]) -> ShardedDataParallel:
     """``module`` wrapped for ZeRO-2 over ``optimizers``, with a clear error when there are none."""
     if not optimizers:
-        raise ValueError(
-            f"rank {_rank()}: stage=2 needs at least one optimizer to shard gradients over; "
-            "configure_optimizers returned none"
-        )
+        raise ValueError(on_rank(
+            "stage=2 needs at least one optimizer to shard gradients over; configure_optimizers returned none"
+        ))
     return ShardedDataParallel(module, list(optimizers), **wrapper_kwargs)
 
 
@@ -198,6 +197,3 @@ def clip_by_global_norm(optimizer: Optimizer, max_norm: float) -> torch.Tensor:
 
     return clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]], max_norm)
 
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
