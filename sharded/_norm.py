@@ -1,49 +1,88 @@
-"""Gradient clipping by a norm taken over gradients spread across ranks.
+"""Gradient norms over gradients spread across ranks, and clipping by them: the one
+implementation that every layer (``OSS``, ``ShardedDataParallel``, ``fully_shard``, the
+Lightning strategies) uses.
 
-Each rank passes the gradients it alone is responsible for (its shard); the ranks' partial
-terms are combined with one all-reduce, so the total equals the norm that
-``torch.nn.utils.clip_grad_norm_`` would compute over the full, unsharded set of gradients.
+A rank passes the gradients (or gradient shards) it holds; the norm equals what
+``torch.nn.utils.clip_grad_norm_`` would take over the full, unsharded set. It is built from a
+per-rank *term*, ``sum |g|^p`` (``max |g|`` for the inf-norm) accumulated in fp32 whatever the
+gradients' dtype, combined over the ranks holding disjoint parts with one all-reduce (SUM, or
+MAX for the inf-norm), and finished with the p-th root. A non-finite norm is handled alike
+everywhere: with ``error_if_nonfinite`` an error naming the rank before anything is scaled,
+otherwise the gradients are scaled by the (non-finite) coefficient, as torch does.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from . import _comm
+from ._errors import on_rank
 
-__all__ = ["clip_by_global_norm"]
+__all__ = ["norm_term", "all_reduce_term", "total_norm", "scale_by_norm_", "clip_by_global_norm"]
+
+INF = float("inf")
+
+
+def norm_term(tensors: Sequence[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    """``max |x|`` (inf-norm) or ``sum |x|^p`` over ``tensors``: a 0-dim fp32 tensor on
+    ``device``. Empty tensors (a rank past a short parameter's last row) count as 0."""
+    tensors = [t for t in tensors if t.numel()]
+    if not tensors:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch.stack([torch.linalg.vector_norm(t.detach(), norm_type, dtype=torch.float32).to(device) for t in tensors])
+    return norms.max() if norm_type == INF else norms.pow(norm_type).sum()
+
+
+def all_reduce_term(term: torch.Tensor, group: Optional[dist.ProcessGroup], norm_type: float) -> torch.Tensor:
+    """Collective: the terms of ranks that hold disjoint parts, combined. A NaN on any rank
+    makes the result NaN, as torch's norm of the whole would be; SUM propagates it, but MAX
+    (gloo's at least) drops it, so the inf-norm sends a NaN flag beside its term."""
+    if norm_type != INF:
+        _comm.all_reduce(term, group, dist.ReduceOp.SUM)
+        return term
+    is_nan = term.isnan()
+    both = torch.stack([torch.where(is_nan, 0.0, term), is_nan.to(term.dtype)])
+    _comm.all_reduce(both, group, dist.ReduceOp.MAX)
+    return torch.where(both[1] > 0, float("nan"), both[0])
+
+
+def total_norm(terms: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The norm of the union of the parts whose (combined) ``terms`` are given."""
+    stacked = torch.stack(list(terms))
+    return stacked.max() if norm_type == INF else stacked.sum().pow(1.0 / norm_type)
+
+
+def scale_by_norm_(
+    tensors: Sequence[torch.Tensor], total: torch.Tensor, max_norm: float, norm_type: float, error_if_nonfinite: bool
+) -> None:
+    """Scale ``tensors`` in place so that a set whose norm is ``total`` has norm at most ``max_norm``."""
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(on_rank(
+            f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}), so it cannot "
+            "be clipped; pass error_if_nonfinite=False to clip anyway"
+        ))
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for tensor in tensors:
+        tensor.detach().mul_(coefficient.to(tensor.device, tensor.dtype))
 
 
 def clip_by_global_norm(
-    grads: Sequence[torch.Tensor], max_norm: float, norm_type: float, group: _comm.ProcessGroup
+    grads: Sequence[torch.Tensor],
+    max_norm: float,
+    norm_type: float,
+    group: Optional[dist.ProcessGroup],
+    error_if_nonfinite: bool = False,
 ) -> torch.Tensor:
-    """Scale ``grads`` in place so that the global ``norm_type``-norm is at most ``max_norm``.
+    """Scale ``grads`` (this rank's disjoint part of all gradients) in place so that the global
+    ``norm_type``-norm over ``group`` is at most ``max_norm``.
 
-    Collective. Returns the global norm before clipping (a float32 scalar), as torch does.
+    Collective. Returns the global norm before clipping (a 0-dim fp32 tensor), as torch does.
     """
     norm_type = float(norm_type)
-    device = _comm.comm_device(group)
-    total = _local_norm_term(grads, norm_type, device)
-    op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
-    _comm.all_reduce(total, group, op)
-    if norm_type != float("inf"):
-        total = total ** (1.0 / norm_type)
-    clip_coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for grad in grads:
-        grad.detach().mul_(clip_coef.to(grad.device, grad.dtype))
+    term = norm_term(grads, norm_type, _comm.comm_device(group))
+    total = total_norm([all_reduce_term(term, group, norm_type)], norm_type)
+    scale_by_norm_(grads, total, max_norm, norm_type, error_if_nonfinite)
     return total
-
-
-def _local_norm_term(grads: Sequence[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
-    """This rank's contribution to the global norm: max |g| for inf, else sum |g|^p."""
-    if not grads:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    norms = torch.stack(
-        [torch.linalg.vector_norm(g.detach(), norm_type).to(device, torch.float32) for g in grads]
-    )
-    if norm_type == float("inf"):
-        return norms.max()
-    return (norms**norm_type).sum()

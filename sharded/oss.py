@@ -199,17 +199,20 @@ class OSS(Optimizer):
         max_norm: float,
         norm_type: float = 2.0,
         filter_params_fn: Optional[Callable[[Any], Any]] = None,
+        error_if_nonfinite: bool = False,
     ) -> torch.Tensor:
         """Clip gradients by their global norm across all shards; return that norm.
 
         Equals ``torch.nn.utils.clip_grad_norm_`` over the full model's gradients, but each rank
         only reads (and scales) the gradients of the parameters it owns. Collective.
-        ``filter_params_fn`` may narrow the rank's parameter list before the norm is taken.
+        ``filter_params_fn`` may narrow the rank's parameter list before the norm is taken;
+        ``error_if_nonfinite`` raises, before scaling, if the norm is inf or NaN (as torch's).
         """
         params = [self._partition.params[i] for i in self._partition.owned_indices(self.rank)]
         if filter_params_fn is not None:
             params = list(filter_params_fn(params))
-        return clip_by_global_norm([p.grad for p in params if p.grad is not None], max_norm, norm_type, self.group)
+        grads = [p.grad for p in params if p.grad is not None]
+        return clip_by_global_norm(grads, max_norm, norm_type, self.group, error_if_nonfinite)
 
     # ------------------------------------------------------------- changing the partition
 

@@ -149,7 +149,7 @@ class ShardedDataParallel(nn.Module):
         """
         self._router.reduce_current_grads()
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip the module's gradients by their global norm; return that norm. Collective.
 
         Call it after backward, in place of ``torch.nn.utils.clip_grad_norm_``: after a
@@ -157,7 +157,8 @@ class ShardedDataParallel(nn.Module):
         torch's function would clip each rank by a partial norm. Here each rank's shard
         contributes its share and the result equals torch's function on DDP.
         """
-        return clip_by_global_norm(self._grads_this_rank_answers_for(), max_norm, norm_type, self.process_group)
+        grads = self._grads_this_rank_answers_for()
+        return clip_by_global_norm(grads, max_norm, norm_type, self.process_group, error_if_nonfinite)
 
     def _grads_this_rank_answers_for(self) -> list[torch.Tensor]:
         """Gradients of the parameters this rank owns; rank 0 also answers for the parameters

@@ -1,4 +1,5 @@
-"""The global gradient norm of sharded parameters, and clipping by it.
+"""The global gradient norm of sharded parameters, and clipping by it (layer 3's grouping over
+the one implementation in :mod:`sharded._norm`).
 
 Each rank holds a shard of most gradients, so the norm is a sum over ranks: every rank adds up
 ``|g|^p`` over its local shards, one all-reduce per shard group adds the ranks' sums, and
@@ -8,14 +9,14 @@ whole, are added once, locally. The result equals ``clip_grad_norm_`` on the uns
 
 from __future__ import annotations
 
-from typing import Iterable, Union
+from typing import Iterable, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .. import _comm
-from .._errors import on_rank
+from .._norm import all_reduce_term, norm_term, scale_by_norm_, total_norm
 
 __all__ = ["clip_grad_norm_", "global_grad_norm"]
 
@@ -33,15 +34,11 @@ def global_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0)
         (whole if group is None else by_group.setdefault(group, [])).append(local)
     first = next(iter(whole or [t for ts in by_group.values() for t in ts]), None)
     device = first.device if first is not None else torch.device("cpu")
-    parts = [_local_part(whole, norm_type, device)]
+    terms = [norm_term(whole, norm_type, device)]
     for group, locals_ in by_group.items():
-        part = _local_part(locals_, norm_type, device).to(_comm.comm_device(group))
-        _comm.all_reduce(part, group, dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM)
-        parts.append(part.to(device))
-    stacked = torch.stack(parts)
-    if norm_type == float("inf"):
-        return stacked.max()
-    return stacked.sum().pow(1.0 / norm_type)
+        term = norm_term(locals_, norm_type, _comm.comm_device(group))
+        terms.append(all_reduce_term(term, group, norm_type).to(device))
+    return total_norm(terms, norm_type)
 
 
 def clip_grad_norm_(
@@ -55,17 +52,12 @@ def clip_grad_norm_(
     would on the unsharded model). Collective: every rank calls it with the same parameters."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     total = global_grad_norm(params, norm_type)
-    if error_if_nonfinite and not torch.isfinite(total):
-        raise RuntimeError(on_rank(f"the total norm of order {float(norm_type)} of the gradients is non-finite: {total.item()}"))
-    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for p in params:
-        if p.grad is not None:
-            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            local.mul_(coefficient.to(local.device, local.dtype))
+    locals_ = [_where(p.grad)[1] for p in params if p.grad is not None]
+    scale_by_norm_(locals_, total, max_norm, float(norm_type), error_if_nonfinite)
     return total
 
 
-def _where(grad: torch.Tensor) -> tuple[Union[dist.ProcessGroup, None], torch.Tensor]:
+def _where(grad: torch.Tensor) -> tuple[Optional[dist.ProcessGroup], torch.Tensor]:
     """(the group whose ranks hold disjoint shards of ``grad``, or None if each rank holds it
     whole; this rank's part)."""
     if not isinstance(grad, DTensor):
@@ -73,13 +65,3 @@ def _where(grad: torch.Tensor) -> tuple[Union[dist.ProcessGroup, None], torch.Te
     shard_dims = [dim for dim, placement in enumerate(grad.placements) if placement.is_shard()]
     group = grad.device_mesh.get_group(shard_dims[-1]) if shard_dims else None
     return group, grad.to_local()
-
-
-def _local_part(tensors: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
-    """``max |x|`` (inf-norm) or ``sum |x|^p`` over ``tensors``, in fp32 on ``device``. Empty
-    shards (a rank past a short parameter's last row) count as 0."""
-    tensors = [t for t in tensors if t.numel()]
-    if not tensors:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    norms = torch.stack([torch.linalg.vector_norm(t, norm_type, dtype=torch.float32).to(device) for t in tensors])
-    return norms.max() if norm_type == float("inf") else norms.pow(norm_type).sum()

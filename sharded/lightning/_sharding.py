@@ -26,7 +26,7 @@ from ..sharded_ddp import ShardedDataParallel
 __all__ = [
     "ShardingConfig",
     "as_sharded_scaler",
-    "clip_by_global_norm",
+    "clip_optimizer_grads",
     "constructor_defaults",
     "point_schedulers_at",
     "shard_optimizers",
@@ -184,7 +184,7 @@ def as_sharded_scaler(scaler: Optional[torch.amp.GradScaler], device: str) -> Op
     )
 
 
-def clip_by_global_norm(optimizer: Optimizer, max_norm: float) -> torch.Tensor:
+def clip_optimizer_grads(optimizer: Optimizer, max_norm: float) -> torch.Tensor:
     """Collective: clip ``optimizer``'s gradients by their norm over every rank; return that norm.
 
     An ``OSS`` (ZeRO-1/2) knows which rank holds which gradient; other optimizers hold

@@ -117,13 +117,7 @@ class ShardedDDPStrategy(ShardedFabricPrecision, DDPStrategy):
     ) -> torch.Tensor:
         """Clip by the norm over every rank's shard (``OSS.clip_grad_norm``); return that norm."""
         self.precision.unscale_gradients(optimizer)
-        norm = optimizer.clip_grad_norm(max_norm, norm_type)  # type: ignore[attr-defined]
-        if error_if_nonfinite and not torch.isfinite(norm):
-            raise RuntimeError(
-                f"rank {self.global_rank}: the total norm of order {float(norm_type)} of the gradients is "
-                "non-finite, so it cannot be clipped; pass error_if_nonfinite=False to clip anyway"
-            )
-        return norm
+        return optimizer.clip_grad_norm(max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------------ checkpoints
 

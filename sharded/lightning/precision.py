@@ -20,7 +20,7 @@ from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, 
 from torch.optim import Optimizer
 
 from ..grad_scaler import ShardedGradScaler
-from ._sharding import as_sharded_scaler, clip_by_global_norm
+from ._sharding import as_sharded_scaler, clip_optimizer_grads
 
 __all__ = [
     "ShardedDoublePrecision",
@@ -37,7 +37,7 @@ class _GlobalNormClipping:
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         """Clip the optimizer's gradients by their global norm (collective)."""
-        clip_by_global_norm(optimizer, clip_val)
+        clip_optimizer_grads(optimizer, clip_val)
 
 
 class ShardedPrecisionPlugin:
