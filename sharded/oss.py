@@ -22,7 +22,7 @@ from ._broadcast import make_resident, plan_broadcasts, release_residents, start
 from ._checks import as_param_groups, check_optimizer_class, check_param_list, check_same_across_ranks, param_list
 from ._norm import clip_by_global_norm
 from ._partition import Partition
-from ._state_dict import full_state_dict, hyperparams, restore_state, snapshot_shard, states_by_param
+from ._optim_state import consolidated_state_dict, hyperparams, restore_state, snapshot_shard, states_by_param
 
 __all__ = ["OSS"]
 
@@ -310,7 +310,7 @@ class OSS(Optimizer):
         for shard in received.values():
             merged.update(shard)
         self._push_hyperparams()
-        self._consolidated = full_state_dict(merged, self.param_groups)
+        self._consolidated = consolidated_state_dict(merged, self.param_groups)
 
     def state_dict(self, all_ranks: bool = False) -> dict[str, Any]:
         """The full optimizer state in torch's format, as last consolidated on this rank.

@@ -31,7 +31,7 @@ like the model's.
 
 from __future__ import annotations
 
-from ._checks import CheckpointError
+from ._fit_checks import CheckpointError
 from ._load import load
 from ._peers import PeerFailure, detect_peer_failure
 from ._save import latest_checkpoint, save

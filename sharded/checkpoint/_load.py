@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Mapping, MutableMapping, Optional, Union
 import torch
 import torch.distributed as dist
 
-from ._checks import CheckpointError, check_entries, check_param_groups, check_state_shapes
+from ._fit_checks import CheckpointError, check_entries, check_param_groups, check_state_shapes
 from ._paths import KeyPath, covered, leaves, nest, reaches, set_at, value_at
 from ._placeholders import is_unfilled, mark_unfilled
 from ._ranks import Ranks

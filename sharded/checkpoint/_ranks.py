@@ -13,7 +13,7 @@ from typing import Callable, Optional, TypeVar
 import torch.distributed as dist
 
 from .. import _comm
-from ._checks import CheckpointError
+from ._fit_checks import CheckpointError
 
 __all__ = ["Ranks"]
 

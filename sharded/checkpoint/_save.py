@@ -19,7 +19,7 @@ from typing import Any, Mapping, Optional, Union
 
 import torch.distributed as dist
 
-from ._checks import CheckpointError
+from ._fit_checks import CheckpointError
 from ._placeholders import without_placeholders
 from ._ranks import Ranks
 

@@ -28,9 +28,9 @@ from torch import nn
 from torch.optim import Optimizer
 
 from .._errors import process_rank
-from .._state_dict import hyperparams
+from .._optim_state import hyperparams
 from ..oss import OSS
-from ._checks import CheckpointError, Shape, check_entries, check_filled, check_param_groups, check_state_shapes
+from ._fit_checks import CheckpointError, Shape, check_entries, check_filled, check_param_groups, check_state_shapes
 from ._names import Optimizers, as_optimizer_list, inner_optimizer_class, optimizer_fqns, param_fqns, unwrap
 from ._placeholders import placeholder_states, unfilled_params
 from ._tensors import is_dtensor
@@ -60,7 +60,7 @@ def get_state_dict(model: nn.Module, optimizers: Optimizers = (), *, full: bool 
     """
     module, listed = unwrap(model), as_optimizer_list(optimizers)
     if full:
-        return _full_state_dict(module, listed, single=isinstance(optimizers, Optimizer))
+        return _rank0_torch_state_dict(module, listed, single=isinstance(optimizers, Optimizer))
     state: dict[str, Any] = {"model": module.state_dict()}
     if listed:
         state["optim"] = optimizer_entries(listed, param_fqns(module), process_rank())
@@ -144,7 +144,7 @@ def _optimizer_loads(
 # ------------------------------------------------------------------------------- full form
 
 
-def _full_state_dict(module: nn.Module, optimizers: list[Optimizer], single: bool) -> dict[str, Any]:
+def _rank0_torch_state_dict(module: nn.Module, optimizers: list[Optimizer], single: bool) -> dict[str, Any]:
     rank = process_rank()
     model = {key: _full_copy(value, keep=rank == 0) for key, value in module.state_dict().items()}
     optims = [_full_optimizer_state(optimizer, rank) for optimizer in optimizers]

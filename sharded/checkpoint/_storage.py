@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from ._checks import CheckpointError
+from ._fit_checks import CheckpointError
 from ._paths import KeyPath
 
 __all__ = ["METADATA_FILE", "DataOnlyPlanner", "Index", "VerifyingReader", "read_index"]

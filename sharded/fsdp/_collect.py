@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .._errors import on_rank
-from ._registry import owner_of, replaced_as
+from ._registry import replaced_as, unit_owning
 from ._unit import unit_of
 
 __all__ = ["UnitParam", "collect_unit_params", "check_not_sharded", "modules_outside_units"]
@@ -29,7 +29,7 @@ def check_not_sharded(module: nn.Module) -> None:
 
 def collect_unit_params(modules: list[nn.Module], ignored: set[int]) -> list[UnitParam]:
     """The parameters of ``modules`` and their submodules that no unit below owns and that are
-    not ``ignored`` (by id), in registration order, each with every slot it is registered in.
+    not ``ignored`` (by id), in registration order, each with every (module, name) it is registered under.
     (Names are relative to the module; with several modules, prefixed by its list index.)"""
     found: dict[int, UnitParam] = {}
     where = type(modules[0]).__name__ if len(modules) == 1 else f"[{', '.join(type(m).__name__ for m in modules)}]"
@@ -61,7 +61,7 @@ def modules_outside_units(module: nn.Module, prefix: str = "", seen=None) -> Ite
 
 
 def _check_can_take(param: nn.Parameter, name: str, where: str) -> None:
-    owner = owner_of(param)
+    owner = unit_owning(param)
     if owner is not None:
         raise ValueError(on_rank(
             f"fully_shard({where}): parameter {name} is already sharded by {owner.module_name}'s fully_shard, "

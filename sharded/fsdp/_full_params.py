@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from .._errors import on_rank
 from ._unit import TrainingState, Unit, units_under
 
-__all__ = ["summon_full_params", "full_state_dict", "load_full_state_dict"]
+__all__ = ["summon_full_params", "full_model_state_dict", "load_full_model_state_dict"]
 
 
 @contextlib.contextmanager
@@ -64,14 +64,14 @@ def _restore_shards(unit: Unit, writeback: bool) -> None:
         sp.show_sharded()
 
 
-def full_state_dict(module: nn.Module) -> dict[str, Any]:
+def full_model_state_dict(module: nn.Module) -> dict[str, Any]:
     """Collective: ``module.state_dict()`` with full tensors for the sharded parameters, on
     every rank, under the unwrapped model's names."""
     with summon_full_params(module, writeback=False):
         return module.state_dict()
 
 
-def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, Any], strict: bool = True):
+def load_full_model_state_dict(module: nn.Module, state_dict: Mapping[str, Any], strict: bool = True):
     """Collective: load full tensors (or DTensors) into a sharded ``module``; each rank keeps its
     rows. Returns what ``load_state_dict`` returns (missing and unexpected keys)."""
     full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state_dict.items()}

@@ -82,19 +82,19 @@ class ShardedParam:
     ``.grad``, which the unit then reduce-scatters into ``sharded.grad``.
 
     A parameter registered under several names (tied weights) has one ``ShardedParam`` with
-    several ``slots``; all of them are switched together.
+    several entries in ``registered_as``; all of them are switched together.
     """
 
     def __init__(
         self,
         fqn: str,
-        slots: Sequence[tuple[nn.Module, str]],
+        registered_as: Sequence[tuple[nn.Module, str]],
         geometry: ShardGeometry,
         mesh: DeviceMesh,
         shard_rank: int,
     ) -> None:
         self.fqn = fqn
-        self.slots = list(slots)
+        self.registered_as = list(registered_as)  # (module, attribute name) pairs
         self.geometry = geometry
         self.shard_rank = shard_rank
         self._mesh = mesh
@@ -164,7 +164,7 @@ class ShardedParam:
 
     def show(self, tensor: nn.Parameter) -> None:
         """Register ``tensor`` under every name this parameter has."""
-        for module, name in self.slots:
+        for module, name in self.registered_as:
             module._parameters[name] = tensor
 
     def show_sharded(self) -> None:
@@ -178,8 +178,8 @@ class ShardedParam:
         self.show(self.unsharded)
 
     def held_by_module(self) -> Optional[torch.Tensor]:
-        """What the first slot holds now (a user may have replaced the parameter)."""
-        module, name = self.slots[0]
+        """What the first name it is registered under holds now (a user may have replaced it)."""
+        module, name = self.registered_as[0]
         return module._parameters.get(name)
 
     # -------------------------------------------------------------------- gradients

@@ -18,7 +18,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .._errors import on_rank
 
-__all__ = ["register_sharded", "owner_of", "retire", "replaced_as", "install_optimizer_guard"]
+__all__ = ["register_sharded", "unit_owning", "retire", "replaced_as", "install_optimizer_guard"]
 
 _owners: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 _retired: dict[int, tuple[weakref.ref, Any]] = {}
@@ -31,7 +31,7 @@ def register_sharded(param: torch.Tensor, unit: Any) -> None:
     _owners[id(param)] = unit
 
 
-def owner_of(param: torch.Tensor) -> Optional[Any]:
+def unit_owning(param: torch.Tensor) -> Optional[Any]:
     """The unit owning ``param`` if it is a sharded parameter of one."""
     unit = _owners.get(id(param))
     return unit if unit is not None and any(sp.sharded is param for sp in unit.params) else None

@@ -23,7 +23,7 @@ from ._hooks import cast_floats, register_pre_backward, watch_input_gradients
 from ._mesh import MeshInfo
 from ._param import ShardedParam
 from ._reduce_ops import division_plan
-from ._storage import UnitStorage
+from ._flat_buffers import UnitStorage
 from ._streams import CommStreams
 from .policies import BackwardPrefetch, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 

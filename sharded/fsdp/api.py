@@ -93,8 +93,8 @@ def fully_shard(
     taken = collect_unit_params(modules, _ids_of(modules, ignored_params))
     check_placements(shard_placement_fn, taken)
     params = [
-        ShardedParam(name, slots, ShardGeometry(param.shape, info.shard_world), info.mesh, info.shard_rank)
-        for name, param, slots in taken
+        ShardedParam(name, registered_as, ShardGeometry(param.shape, info.shard_world), info.mesh, info.shard_rank)
+        for name, param, registered_as in taken
     ]
     unit = Unit(modules, params, info, UnitConfig(mp_policy, offload_policy, reshard_after_forward))
     unit.storage.shard_from_full([param for _, param, _ in taken])

@@ -25,7 +25,7 @@ from .._broadcast import plan_broadcasts, start_broadcasts
 from ._collect import modules_outside_units
 from .._errors import on_rank
 from ._fsdp_module import FSDPModule
-from ._full_params import full_state_dict, load_full_state_dict, summon_full_params
+from ._full_params import full_model_state_dict, load_full_model_state_dict, summon_full_params
 from ._grad_norm import clip_grad_norm_
 from ._mesh import MeshInfo, hybrid_mesh, mesh_from_groups, resolve_mesh
 from ._unit import units_under
@@ -214,13 +214,13 @@ class FullyShardedDataParallel(nn.Module):
     def state_dict(self, *args: Any, destination: Optional[dict] = None, prefix: str = "", keep_vars: bool = False) -> dict:
         """Collective: full tensors under the unwrapped model's names, on every rank."""
         destination = {} if destination is None else destination
-        for key, value in full_state_dict(self.module).items():
+        for key, value in full_model_state_dict(self.module).items():
             destination[prefix + key] = value
         return destination
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
         """Collective: load a full (or DTensor) state dict keyed by the unwrapped model's names."""
-        return load_full_state_dict(self.module, state_dict, strict=strict)
+        return load_full_model_state_dict(self.module, state_dict, strict=strict)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator:
         return self.module.named_parameters(prefix, recurse, remove_duplicate)

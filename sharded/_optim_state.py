@@ -15,7 +15,7 @@ import torch
 
 from ._partition import Partition
 
-__all__ = ["snapshot_shard", "full_state_dict", "states_by_param", "restore_state"]
+__all__ = ["snapshot_shard", "consolidated_state_dict", "states_by_param", "restore_state"]
 
 ParamState = dict[str, Any]
 
@@ -37,7 +37,7 @@ def snapshot_shard(
     }
 
 
-def full_state_dict(
+def consolidated_state_dict(
     states: Mapping[int, ParamState], param_groups: Sequence[Mapping[str, Any]]
 ) -> dict[str, Any]:
     """A state dict in ``torch.optim.Optimizer.state_dict()`` format."""
