@@ -1,9 +1,12 @@
 """sharded: ZeRO-style sharding of optimizer state, gradients and parameters for PyTorch.
 
-``OSS`` shards optimizer state (ZeRO-1); ``ShardedDataParallel`` adds gradient sharding
-(ZeRO-2); ``ShardedGradScaler`` makes mixed precision agree across shards. The names and
-signatures follow fairscale, so ``from sharded import OSS, ShardedDataParallel`` is a drop-in.
-``sharded.checkpoint`` saves and loads sharded, resharding checkpoints for every layer.
+Three layers: ``OSS`` shards optimizer state (layer 1, ZeRO-1); ``ShardedDataParallel`` adds
+gradient sharding (layer 2, ZeRO-2), with fairscale's names and signatures, so
+``from sharded import OSS, ShardedDataParallel`` is a drop-in; ``fully_shard`` (torch FSDP2's
+API) and ``FullyShardedDataParallel`` (FSDP1's) also shard the parameters (layer 3, ZeRO-3,
+``sharded.fsdp``, imported on first use). ``ShardedGradScaler`` makes mixed precision agree
+across shards. ``sharded.checkpoint`` saves and loads sharded, resharding checkpoints for every
+layer; ``sharded.lightning`` (optional) offers all three as Lightning strategies.
 """
 
 from __future__ import annotations
