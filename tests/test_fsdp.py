@@ -193,6 +193,21 @@ def test_explicit_prefetch_and_manual_unshard_match_ddp(world_size):
     run_on_ranks(_check_explicit_prefetch_and_manual_unshard, world_size)
 
 
+def _check_profiler_labels(rank, world):
+    model = shard_gpt(gpt(layers=2))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        gpt_loss(model, token_batch(rank, 0)).backward()
+    labels = {e.key for e in prof.key_averages() if e.key.startswith("sharded::")}
+    for unit in ("blocks.0", "blocks.1", "GPT"):  # by module path, the root by its class
+        for region in ("reduce_scatter", "land_gradients"):
+            assert f"sharded::{region}({unit})" in labels, f"no {region} label for {unit}: {sorted(labels)}"
+    assert "sharded::all_gather(blocks.1)" in labels, sorted(labels)
+
+
+def test_profiler_labels_name_each_unit_by_its_module_path():
+    run_on_ranks(_check_profiler_labels, 2)
+
+
 def _check_distributed_checkpoint(rank, world, path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict

@@ -24,10 +24,13 @@ def _raises(error, *words):
 def _check_errors(rank, world):
     model = gpt()
     early = torch.optim.SGD(model.parameters(), lr=0.1)
+    early_block = torch.optim.SGD(model.blocks[1].parameters(), lr=0.1)
     shard_gpt(model)
     gpt_loss(model, token_batch(rank, 0)).backward()
-    with _raises(RuntimeError, "SGD", "parameter tok.weight", "fully_shard.GPT.", "after fully_shard"):
+    with _raises(RuntimeError, "SGD", "parameter tok.weight", r"fully_shard\(GPT\)", "after fully_shard"):
         early.step()  # built before sharding: it would silently train nothing
+    with _raises(RuntimeError, "parameter blocks.1.ln1.weight", r"taken by fully_shard\(blocks\.1\)"):
+        early_block.step()  # a unit is named by its module path, as torch names it by its FQN
 
     with _raises(ValueError, "already applied", "GPT"):
         fully_shard(model)

@@ -24,7 +24,7 @@ UnitParam = tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]
 def check_not_sharded(module: nn.Module) -> None:
     unit = unit_of(module)
     if unit is not None:
-        raise ValueError(on_rank(f"fully_shard was already applied to this {unit.module_name}; call it once per module"))
+        raise ValueError(on_rank(f"fully_shard was already applied to this module (fully_shard({unit.module_name})); call it once per module"))
 
 
 def collect_unit_params(modules: list[nn.Module], ignored: set[int]) -> list[UnitParam]:

@@ -27,7 +27,21 @@ from ._param import ShardedParam
 from ._reduce_ops import DivisionPlan
 from ._streams import CommStreams
 
-__all__ = ["PendingGather", "start_all_gather", "ReduceSettings", "Reduction", "start_reduce_scatter"]
+__all__ = ["ProfilerLabels", "PendingGather", "start_all_gather", "ReduceSettings", "Reduction", "start_reduce_scatter"]
+
+
+@dataclass(frozen=True)
+class ProfilerLabels:
+    """A unit's ``record_function`` labels (``sharded::all_gather(layers.3)``), built once per
+    name rather than on every call."""
+
+    all_gather: str
+    reduce_scatter: str
+    land_gradients: str
+
+    @classmethod
+    def naming(cls, unit_name: str) -> "ProfilerLabels":
+        return cls(*(f"sharded::{what}({unit_name})" for what in ("all_gather", "reduce_scatter", "land_gradients")))
 
 
 @dataclass
@@ -50,12 +64,14 @@ def start_all_gather(
     device: torch.device,
     group: dist.ProcessGroup,
     world: int,
+    label: str,
     comm: Optional[Any] = None,
 ) -> PendingGather:
     """Start gathering every rank's ``shard`` (cast to ``dtype`` on ``device`` first: a narrow
-    ``dtype`` halves the bytes sent) into one rank-major buffer. ``comm``: a user's
-    ``torch.distributed.fsdp.AllGather`` (``set_custom_all_gather``) allocates and gathers."""
-    with record_function("sharded::all_gather"):
+    ``dtype`` halves the bytes sent) into one rank-major buffer. ``label``: the profiler's name
+    for it. ``comm``: a user's ``torch.distributed.fsdp.AllGather`` (``set_custom_all_gather``)
+    allocates and gathers."""
+    with record_function(label):
         sent = shard.to(device=device, dtype=dtype, non_blocking=True)
         if world == 1:
             return PendingGather(None, sent, sent)
@@ -94,6 +110,7 @@ class Reduction:
     streams: CommStreams
     sent: Optional[torch.Tensor]
     settings: ReduceSettings
+    land_label: str
     _replica_work: Optional[dist.Work] = field(default=None)
     _scattered: bool = field(default=False)
 
@@ -116,7 +133,7 @@ class Reduction:
         hybrid with the all-reduce deferred, hand the scattered sum back to the unit)."""
         self.advance()
         settings = self.settings
-        with self.streams.on_reduce_scatter(), record_function("sharded::land_gradients"):
+        with self.streams.on_reduce_scatter(), record_function(self.land_label):
             if self.replicate_group is not None and not settings.all_reduce_now and settings.keep_partial is not None:
                 settings.keep_partial(self.output)
                 return
@@ -150,6 +167,7 @@ def start_reduce_scatter(
     replicate_group: Optional[dist.ProcessGroup],
     streams: CommStreams,
     settings: ReduceSettings,
+    labels: ProfilerLabels,
 ) -> Reduction:
     """Start reducing ``grads`` (full gradients of ``params``, ``None`` where this rank has
     none) over ``group`` as ``settings`` say (by default averaging), each rank receiving its
@@ -158,7 +176,7 @@ def start_reduce_scatter(
     streams.reduce_scatter_after_compute(present)
     widths = [sp.geometry.slot_numel for sp in params] + [len(params)]
     plan, comm = settings.plan, settings.comm
-    with streams.on_reduce_scatter(), record_function("sharded::reduce_scatter"):
+    with streams.on_reduce_scatter(), record_function(labels.reduce_scatter):
         size = world * sum(widths)
         sent = comm.allocate((size,), dtype=dtype, device=device) if comm is not None else torch.empty(size, dtype=dtype, device=device)
         blocks = column_blocks(sent, world, widths)
@@ -186,7 +204,7 @@ def start_reduce_scatter(
         else:
             output = torch.empty(sum(widths), dtype=dtype, device=device)
             work = _comm.reduce_scatter_tensor(output, sent, group, plan.scatter_op, async_op=True)
-    reduction = Reduction(list(params), had_grad, output, work, replicate_group, streams, sent, settings)
+    reduction = Reduction(list(params), had_grad, output, work, replicate_group, streams, sent, settings, labels.land_gradients)
     if world == 1:
         reduction.advance()
     return reduction

@@ -21,7 +21,8 @@ from .._errors import on_rank
 __all__ = ["register_sharded", "unit_owning", "retire", "replaced_as", "install_optimizer_guard"]
 
 _owners: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
-_retired: dict[int, tuple[weakref.ref, Any]] = {}
+# id(original) -> (original, the unit that took it, the ShardedParam replacing it)
+_retired: dict[int, tuple["weakref.ref[torch.Tensor]", "weakref.ref[Any]", Any]] = {}
 _guard_lock = threading.Lock()
 _guard_installed = False
 
@@ -38,19 +39,23 @@ def unit_owning(param: torch.Tensor) -> Optional[Any]:
 
 
 def retire(original: torch.Tensor, unit: Any, replacement: Any) -> None:
-    """Record that ``original`` was replaced by ``replacement`` (a ShardedParam of ``unit``)."""
+    """Record that ``original`` was replaced by ``replacement`` (a ShardedParam of ``unit``).
+    Names are read when a message needs them: the unit's and parameter's paths are known only
+    once the model has run a forward."""
     key = id(original)
-    _retired[key] = (weakref.ref(original, lambda _ref: _retired.pop(key, None)), (unit.module_name, replacement))
+    _retired[key] = (weakref.ref(original, lambda _ref: _retired.pop(key, None)), weakref.ref(unit), replacement)
 
 
 def replaced_as(param: torch.Tensor) -> Optional[str]:
     """What replaced ``param``, if ``fully_shard`` replaced it: its name (the full path once the
-    model has run a forward) and the module whose fully_shard took it."""
+    model has run a forward) and the unit that took it (by its module path, likewise)."""
     entry = _retired.get(id(param))
     if entry is None or entry[0]() is not param:
         return None
-    module_name, replacement = entry[1]
-    return f"{replacement.fqn} (taken by fully_shard({module_name}))"
+    _, unit_ref, replacement = entry
+    unit = unit_ref()
+    taken_by = f" (taken by fully_shard({unit.module_name}))" if unit is not None else ""
+    return f"{replacement.fqn}{taken_by}"
 
 
 def install_optimizer_guard() -> None:

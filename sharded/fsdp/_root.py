@@ -1,7 +1,8 @@
 """What the outermost unit of a model does for all of them.
 
 The first unit whose forward runs becomes the root of every unit below it (lazily, as in FSDP2:
-only then is the whole tree known). The root names parameters by their full paths, checks that
+only then is the whole tree known). The root names units and parameters by their full paths
+(module paths are what errors and profiler labels show, as torch's FQNs), checks that
 every rank built the same model before the first collective can hang on a mismatch, records the
 order units run in (to prefetch the next one's all-gather), and owns the end of backward: one
 autograd-engine callback, queued when backward first reaches any unit, that sends what is left,
@@ -60,14 +61,18 @@ class Root:
             u.context = unit.context
             if u.reshard_after_forward is None:  # FSDP2's default: True, except for the root
                 u.reshard_after_forward = u is not unit
-        root._name_parameters(unit.module)
+        root._name_by_paths(unit.module)
         root._check_same_across_ranks()
         logger.debug("%s is the root of %d units", unit, len(units))
         return root
 
-    def _name_parameters(self, module: nn.Module) -> None:
+    def _name_by_paths(self, module: nn.Module) -> None:
+        """Each unit by its module path(s) below ``module`` (which is ``""``), each parameter by
+        its full name."""
+        paths = {id(m): path for path, m in module.named_modules()}
         names = {id(p): name for name, p in module.named_parameters()}
         for u in self.units:
+            u.name_by_paths([paths.get(id(m), "") for m in u.modules])
             for sp in u.params:
                 sp.fqn = names.get(id(sp.sharded), sp.fqn)
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._collectives import PendingGather, ReduceSettings, start_all_gather, start_reduce_scatter
+from ._collectives import PendingGather, ProfilerLabels, ReduceSettings, start_all_gather, start_reduce_scatter
 from ._hooks import cast_floats, register_pre_backward, watch_input_gradients
 from ._mesh import MeshInfo
 from ._param import ShardedParam
@@ -95,13 +95,17 @@ class Unit:
 
     ``modules``: the module(s) one ``fully_shard`` call was given; a list makes one unit that
     all of them use (e.g. a final norm and the output head).
+
+    ``module_name`` names the unit in errors, warnings and profiler labels: its module's path in
+    the model (``layers.3``; the root module by its class), as torch names an FSDP module by its
+    FQN. Paths are known once the root is (:meth:`name_by_paths`); until then, the class names.
     """
 
     def __init__(self, modules: Sequence[nn.Module], params: Sequence[ShardedParam], mesh_info: MeshInfo, config: UnitConfig) -> None:
         self.modules = list(modules)
         self.module = self.modules[0]
-        names = [type(m).__name__ for m in self.modules]
-        self.module_name = names[0] if len(names) == 1 else f"[{', '.join(names)}]"
+        self._class_names = [type(m).__name__ for m in self.modules]  # before fully_shard swaps the classes
+        self.name_by_paths([""] * len(self.modules))
         self.params = list(params)
         self.mesh_info = mesh_info
         self.config = config
@@ -153,6 +157,13 @@ class Unit:
     def __repr__(self) -> str:
         return f"fully_shard({self.module_name}) on rank {dist.get_rank()}"
 
+    def name_by_paths(self, paths: Sequence[str]) -> None:
+        """Name the unit by its modules' ``paths`` in the model (``""``: the root, or not yet
+        known, shown as the module's class)."""
+        names = [path or cls for cls, path in zip(self._class_names, paths)]
+        self.module_name = names[0] if len(names) == 1 else f"[{', '.join(names)}]"
+        self.labels = ProfilerLabels.naming(self.module_name)
+
     @property
     def running_root(self) -> Root:
         """The root, known from the model's first forward on (every hook runs after it)."""
@@ -186,6 +197,7 @@ class Unit:
                     self.device,
                     self.mesh_info.shard_group,
                     self.mesh_info.shard_world,
+                    self.labels.all_gather,
                     self.custom_all_gather,
                 )
         self.shard_state = ShardState.GATHERING
@@ -317,6 +329,7 @@ class Unit:
                     self.mesh_info.replicate_group,
                     self.streams,
                     self._reduce_settings(),
+                    self.labels,
                 )
             )
         else:
@@ -384,8 +397,9 @@ class Unit:
         """Collective: fresh full copies of the parameters in the shards' own dtype."""
         self.storage.ensure_shards_current(where=repr(self))
         storage = self.storage
+        info = self.mesh_info
         pending = start_all_gather(
-            storage.sharded_flat, storage.dtype, self.device, self.mesh_info.shard_group, self.mesh_info.shard_world
+            storage.sharded_flat, storage.dtype, self.device, info.shard_group, info.shard_world, self.labels.all_gather
         )
         fulls = storage.full_copies(pending.wait())
         return [full.to(device) for full in fulls] if device is not None else fulls
