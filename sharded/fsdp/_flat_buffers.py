@@ -1,4 +1,4 @@
-"""The flat buffers behind one unit's parameters.
+"""The flat buffers behind one unit's parameters, and its gradients' layout for the reduce-scatter.
 
 ``sharded_flat`` holds this rank's padded slots back to back, each parameter's DTensor local
 tensor being a view of its slot, so the all-gather sends the buffer as it is: no packing.
@@ -13,12 +13,24 @@ refilling does not look like an in-place change to autograd.
 
 With one shard and no dtype or device change, the unsharded parameters simply view the shards:
 nothing is gathered, copied or freed.
+
+The other direction, the gradients, goes through a send buffer packed per reduction
+(:func:`pack_gradients`), rank-major like the all-gather's output: row ``r`` is what rank ``r``
+receives, and inside a row each trainable parameter has its padded slot, then one "used" flag
+per parameter. Every rank writes its full gradient spread over the rows (zeros where it has
+none) and a 1 in every row's flag for each gradient it has, so after averaging a flag is
+positive exactly when some rank produced that gradient. A parameter no rank used then keeps
+``grad = None``, as with DDP, instead of getting a zero gradient that would still move it
+through momentum or weight decay. A 0-dim (replicated) parameter's gradient is written into
+every row, so every rank receives the average. :meth:`GradientLayout.unpack` reads the row
+this rank received back as one gradient shard per parameter.
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -26,7 +38,7 @@ from torch import nn
 from .._flat import column_blocks
 from ._param import ShardedParam
 
-__all__ = ["UnitStorage"]
+__all__ = ["UnitStorage", "GradientLayout", "pack_gradients"]
 
 
 class UnitStorage:
@@ -175,6 +187,97 @@ class UnitStorage:
 
     def _offsets(self, scale: int) -> list[int]:
         return [scale * offset for offset in itertools.accumulate([0] + self.widths[:-1])]
+
+
+@dataclass(frozen=True)
+class GradientLayout:
+    """Where :func:`pack_gradients` put each parameter's gradient: what reading back the row
+    this rank receives needs."""
+
+    params: list[ShardedParam]
+    widths: list[int]  # each parameter's slot, then the flags (one per parameter)
+    had_grad: list[bool]  # which parameters this rank had a gradient for
+
+    def unpack(self, received: torch.Tensor, every: bool) -> list[tuple[ShardedParam, torch.Tensor]]:
+        """This rank's reduced row -> ``(parameter, its rows of the gradient)`` (views of
+        ``received``) for each parameter some rank had a gradient for (``every``: for all)."""
+        used = [True] * len(self.params) if every else self._used_anywhere(received)
+        slots = received.split(self.widths)
+        return [(sp, sp.local_part(slot)) for sp, slot, is_used in zip(self.params, slots, used) if is_used]
+
+    def _used_anywhere(self, received: torch.Tensor) -> list[bool]:
+        """Which parameters got a gradient on some rank. Reading the flags costs a device sync,
+        so they are read only when this rank lacked a gradient (else the answer is yes)."""
+        if all(self.had_grad):
+            return self.had_grad
+        return [flag > 0 for flag in received[-len(self.params) :].tolist()]
+
+
+def pack_gradients(
+    params: Sequence[ShardedParam],
+    grads: Sequence[Optional[torch.Tensor]],
+    world: int,
+    allocate: Callable[[int], torch.Tensor],
+) -> tuple[torch.Tensor, GradientLayout]:
+    """The reduce-scatter's send buffer (from ``allocate(numel)``, in the reduce dtype) holding
+    the full ``grads`` of ``params`` (``None`` where this rank has none) rank-major, and where
+    they are. Each gradient is cast once, as it is copied in."""
+    widths = [sp.geometry.slot_numel for sp in params] + [len(params)]
+    sent = allocate(world * sum(widths))
+    blocks = column_blocks(sent, world, widths)
+    copies = _Copies()
+    for sp, grad, block in zip(params, grads, blocks):
+        _spread_rows(sp, grad, block, copies)
+    had_grad = [g is not None for g in grads]
+    flags = torch.tensor(had_grad, dtype=sent.dtype).to(sent.device, non_blocking=True)
+    copies.copy(blocks[-1], flags.view(1, -1).expand(world, -1))
+    copies.run()
+    return sent, GradientLayout(list(params), widths, had_grad)
+
+
+class _Copies:
+    """Copies and zero-fills gathered for two ``torch._foreach_*`` calls, not one kernel each."""
+
+    def __init__(self) -> None:
+        self.targets: list[torch.Tensor] = []
+        self.sources: list[torch.Tensor] = []
+        self.zeros: list[torch.Tensor] = []
+
+    def copy(self, target: torch.Tensor, source: torch.Tensor) -> None:
+        self.targets.append(target)
+        self.sources.append(source)
+
+    def zero(self, target: torch.Tensor) -> None:
+        self.zeros.append(target)
+
+    def run(self) -> None:
+        torch._foreach_copy_(self.targets, self.sources)
+        if self.zeros:
+            torch._foreach_zero_(self.zeros)
+
+
+def _spread_rows(sp: ShardedParam, grad: Optional[torch.Tensor], block: torch.Tensor, copies: _Copies) -> None:
+    """Plan copying the full ``grad`` of ``sp`` into ``block`` (``world x slot``): rank ``r``'s
+    rows into row ``r``, zeros in the padding (and everywhere if ``grad`` is ``None``)."""
+    g = sp.geometry
+    if grad is None or g.slot_numel == 0:
+        copies.zero(block)
+        return
+    if g.replicated:
+        copies.copy(block, grad.reshape(1, 1).expand(block.shape[0], 1))
+        return
+    world, per_rank = block.shape[0], g.rows_per_shard
+    rows = block.view(world, per_rank, g.row_numel)
+    flat_grad = grad.reshape(g.shape[0], g.row_numel)
+    full_ranks, remainder = divmod(g.shape[0], per_rank)
+    if full_ranks:
+        copies.copy(rows[:full_ranks], flat_grad[: full_ranks * per_rank].view(full_ranks, per_rank, g.row_numel))
+    if remainder:
+        copies.copy(rows[full_ranks, :remainder], flat_grad[full_ranks * per_rank :])
+        copies.zero(rows[full_ranks, remainder:])
+        full_ranks += 1
+    if full_ranks < world:
+        copies.zero(rows[full_ranks:])
 
 
 def _is_view(local: torch.Tensor, expected: torch.Tensor) -> bool:

@@ -197,6 +197,17 @@ class ShardedParam:
             return total
         return grad if total is None else total.add_(grad)
 
+    def add_to_sharded_grad(self, local_grad: torch.Tensor) -> None:
+        """Add ``local_grad`` (this rank's rows of a reduced gradient, in the reduce dtype) to the
+        sharded ``.grad``, cast to the shard's dtype and device."""
+        master = self.local_shard()
+        local_grad = local_grad.to(device=master.device, dtype=master.dtype, non_blocking=True)
+        grad = self.sharded.grad
+        if grad is None:
+            self.sharded.grad = self.as_dtensor(local_grad)
+        else:
+            cast(DTensor, grad).to_local().add_(local_grad)
+
     def keep_unsynced(self, dtype: torch.dtype) -> None:
         """Move the unsharded ``.grad`` into the local accumulator, in ``dtype`` (sync is off)."""
         taken = self.take_unsharded_grad(dtype)

@@ -38,6 +38,18 @@ class DivisionPlan:
     replica_op: dist.ReduceOp.RedOpType
     post_divide: Optional[float]  # divide the received shard by this, after every collective
 
+    def scale_sent(self, sent: torch.Tensor) -> None:
+        """Scale the packed gradients, in place, before they are sent."""
+        if self.pre_multiply is not None:
+            sent.mul_(self.pre_multiply)
+        if self.pre_divide is not None:
+            sent.div_(self.pre_divide)
+
+    def scale_received(self, received: torch.Tensor) -> None:
+        """Scale the reduced shard, in place, after every collective."""
+        if self.post_divide is not None:
+            received.div_(self.post_divide)
+
 
 def division_plan(
     dtype: torch.dtype, shard_world: int, replicate_world: int, factor: Optional[float], force_sum: bool

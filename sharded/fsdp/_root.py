@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from .._checks import check_same_across_ranks
-from ._collectives import Reduction
 from .._errors import on_rank
+from ._reduction import Reduction
 from ._unit import ShardState, TrainingState, Unit, units_under
 
 __all__ = ["Root"]
@@ -142,7 +142,7 @@ class Root:
 
     def add_reduction(self, reduction: Reduction) -> None:
         for older in self._reductions:
-            if older.replicate_group is not None:  # its scatter done, start its all-reduce
+            if older.hybrid:  # its scatter done, start its all-reduce
                 older.advance()
         self._reductions.append(reduction)
         while len(self._reductions) > self._max_in_flight():
@@ -157,9 +157,7 @@ class Root:
         """``reset_iter_state``: wait for every collective in flight (so the ranks stay in step),
         drop the gradients they carry, and return every unit to rest."""
         for reduction in self._reductions:
-            reduction.advance()
-            if reduction._replica_work is not None:
-                reduction._replica_work.wait()
+            reduction.abandon()
         self._reductions = []
         for u in self.units:
             u.reset()

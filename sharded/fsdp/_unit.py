@@ -17,20 +17,22 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.profiler import record_function
 
-from ._collectives import PendingGather, ProfilerLabels, ReduceSettings, start_all_gather, start_reduce_scatter
+from ._collectives import PendingGather, new_buffer, start_all_gather, start_reduce_scatter
+from ._flat_buffers import UnitStorage, pack_gradients
 from ._hooks import cast_floats, register_pre_backward, watch_input_gradients
 from ._mesh import MeshInfo
 from ._param import ShardedParam
 from ._reduce_ops import division_plan
-from ._flat_buffers import UnitStorage
+from ._reduction import GradientShards, ReduceSettings, Reduction
 from ._streams import CommStreams
 from .policies import BackwardPrefetch, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 if TYPE_CHECKING:
     from ._root import Root
 
-__all__ = ["ShardState", "TrainingState", "UnitConfig", "StepContext", "Unit", "unit_of", "units_under"]
+__all__ = ["ShardState", "TrainingState", "UnitConfig", "StepContext", "ProfilerLabels", "Unit", "unit_of", "units_under"]
 
 _UNITS: "weakref.WeakKeyDictionary[nn.Module, Unit]" = weakref.WeakKeyDictionary()
 _STREAMS: dict[torch.device, CommStreams] = {}
@@ -69,6 +71,20 @@ class StepContext:
 
     is_last_backward: bool = True
     post_optim_event: Optional[Any] = None
+
+
+@dataclass(frozen=True)
+class ProfilerLabels:
+    """A unit's ``record_function`` labels (``sharded::all_gather(layers.3)``), built once per
+    name rather than on every call."""
+
+    all_gather: str
+    reduce_scatter: str
+    land_gradients: str
+
+    @classmethod
+    def naming(cls, unit_name: str) -> "ProfilerLabels":
+        return cls(*(f"sharded::{what}({unit_name})" for what in ("all_gather", "reduce_scatter", "land_gradients")))
 
 
 def unit_of(module: nn.Module) -> Optional["Unit"]:
@@ -190,14 +206,13 @@ class Unit:
         self.storage.prepare_unsharded()
         if not self.storage.aliases_shards and self.storage.shard_numel:
             self.streams.all_gather_after_compute()  # e.g. the optimizer step wrote the shards
-            with self.streams.on_all_gather():
+            with self.streams.on_all_gather(), record_function(self.labels.all_gather):
                 self._gather = start_all_gather(
                     self.storage.sharded_flat,
                     self.storage.unsharded_dtype,
                     self.device,
                     self.mesh_info.shard_group,
                     self.mesh_info.shard_world,
-                    self.labels.all_gather,
                     self.custom_all_gather,
                 )
         self.shard_state = ShardState.GATHERING
@@ -318,20 +333,7 @@ class Unit:
         trainable = [sp for sp in self.params if sp.requires_grad]
         if trainable and self._sync_this_backward:
             grads = [sp.take_unsharded_grad(self.reduce_dtype) for sp in trainable]
-            self.running_root.add_reduction(
-                start_reduce_scatter(
-                    trainable,
-                    grads,
-                    self.reduce_dtype,
-                    self.device,
-                    self.reduce_scatter_group or self.mesh_info.shard_group,
-                    self.mesh_info.shard_world,
-                    self.mesh_info.replicate_group,
-                    self.streams,
-                    self._reduce_settings(),
-                    self.labels,
-                )
-            )
+            self.running_root.add_reduction(self._start_reduction(trainable, grads))
         else:
             for sp in trainable:
                 sp.keep_unsynced(self.reduce_dtype)
@@ -339,6 +341,27 @@ class Unit:
             self.reshard()
         if self.backward_prefetch_timing is BackwardPrefetch.BACKWARD_POST:
             self.running_root.prefetch_backward(self)
+
+    def _start_reduction(self, params: list[ShardedParam], grads: list[Optional[torch.Tensor]]) -> Reduction:
+        """Pack the full ``grads`` of ``params`` (``None`` where this rank has none), scale them
+        and start reduce-scattering them, as the all-gather's mirror image."""
+        settings, world = self._reduce_settings(), self.mesh_info.shard_world
+        dtype, device, comm = self.reduce_dtype, self.device, settings.comm
+        self.streams.reduce_scatter_after_compute([g for g in grads if g is not None])
+        with self.streams.on_reduce_scatter(), record_function(self.labels.reduce_scatter):
+            sent, layout = pack_gradients(params, grads, world, lambda numel: new_buffer(numel, dtype, device, comm))
+            settings.plan.scale_sent(sent)
+            group = self.reduce_scatter_group or self.mesh_info.shard_group
+            scatter = start_reduce_scatter(sent, group, world, settings.plan.scatter_op, comm)
+        reduction = Reduction(scatter, layout, settings, self.streams, self.labels.land_gradients, self._land_gradients)
+        if world == 1:
+            reduction.advance()  # nothing to wait for: start the all-reduce across replicas now
+        return reduction
+
+    def _land_gradients(self, shards: GradientShards) -> None:
+        """Add each reduced gradient shard to its parameter's sharded ``.grad``."""
+        for sp, local_grad in shards:
+            sp.add_to_sharded_grad(local_grad)
 
     def _reduce_settings(self) -> ReduceSettings:
         info = self.mesh_info
@@ -349,6 +372,7 @@ class Unit:
         carried, self._partial_reduction = self._partial_reduction, None
         return ReduceSettings(
             plan,
+            replicate_group=info.replicate_group,
             all_reduce_now=self.requires_all_reduce,
             carried=carried,
             keep_partial=self._keep_partial,
@@ -398,8 +422,7 @@ class Unit:
         self.storage.ensure_shards_current(where=repr(self))
         storage = self.storage
         info = self.mesh_info
-        pending = start_all_gather(
-            storage.sharded_flat, storage.dtype, self.device, info.shard_group, info.shard_world, self.labels.all_gather
-        )
+        with record_function(self.labels.all_gather):
+            pending = start_all_gather(storage.sharded_flat, storage.dtype, self.device, info.shard_group, info.shard_world)
         fulls = storage.full_copies(pending.wait())
         return [full.to(device) for full in fulls] if device is not None else fulls

@@ -1,9 +1,10 @@
 """``fully_shard``: shard a module's parameters in place (ZeRO-3), FSDP2's way.
 
 This file validates arguments and wires things up; the mechanism is in the private modules
-(``_param``: one parameter's sharded and unsharded forms; ``_storage``: a unit's flat buffers;
-``_collectives``: all-gather and reduce-scatter; ``_unit``: a unit's lifecycle; ``_root``: the
-model-wide forward/backward duties).
+(``_param``: one parameter's sharded and unsharded forms; ``_flat_buffers``: a unit's flat
+buffers, and its gradients' packing; ``_collectives``: all-gather and reduce-scatter, moving
+bytes only; ``_reduction``: a gradient reduction in flight; ``_unit``: a unit's lifecycle;
+``_root``: the model-wide forward/backward duties).
 """
 
 from __future__ import annotations
