@@ -154,7 +154,7 @@ def zygote(rank: int, tmp: str, jobs: list) -> None:
     import torch.distributed  # noqa: F401
     import torch.nn.parallel  # noqa: F401
     import torch._dynamo  # noqa: F401  DDP imports it at its first build
-    import sharded  # noqa: F401
+    import sharded.fsdp.api  # noqa: F401  layer 3 and DTensor: imports, not the step, cost their memory
 
     torch.set_num_threads(1)
     for index, (world, case) in enumerate(jobs):
