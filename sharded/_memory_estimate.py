@@ -138,7 +138,7 @@ def estimate_memory(
     if stage == 3:
         from ._memory_zero3 import zero3_layout
 
-        layout = zero3_layout(model, world_size, wrap, mixed_precision, reshard_after_forward)
+        layout = zero3_layout(model, world_size, wrap, mixed_precision, reshard_after_forward, device)
     else:
         layout = _replicated_layout(model, params, world_size, stage)
     trial = optimizer_trial(optimizer, kwargs, layout.optimizer_shapes)

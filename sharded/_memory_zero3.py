@@ -28,7 +28,9 @@ class UnitSize:
     is_root: bool
 
 
-def zero3_layout(model: nn.Module, world: int, wrap: Any, mixed_precision: Any, reshard_after_forward: bool) -> Layout:
+def zero3_layout(
+    model: nn.Module, world: int, wrap: Any, mixed_precision: Any, reshard_after_forward: bool, device: torch.device
+) -> Layout:
     """The busiest rank's ZeRO-3 layout (rank 0: it holds the most real rows of every parameter)."""
     param_dtype = getattr(mixed_precision, "param_dtype", None)
     units, shapes = [], []
@@ -46,6 +48,11 @@ def zero3_layout(model: nn.Module, world: int, wrap: Any, mixed_precision: Any, 
     else:
         gathered = root + sum(children)  # SHARD_GRAD_OP: every unit stays gathered until its backward
     communication = gathered + sending
+    if device.type == "cpu" and world > 1:
+        # gloo: measured peaks sit one all-gather output and one reduce-scatter input above the
+        # buffers above, at every world size; taken to be the backend staging the full-size
+        # buffer of each collective through a copy (not traced inside gloo)
+        communication += sending + (children[0] if children else root)
     shard = sum(u.shard_bytes for u in units)
     grads = sum(u.grad_bytes for u in units)
     full = sum(u.full_bytes for u in units)
