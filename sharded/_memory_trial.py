@@ -98,7 +98,7 @@ def optimizer_trial(
 def _accepted(optimizer: type, kwargs: dict[str, Any]) -> dict[str, Any]:
     """``kwargs`` without keys the constructor does not take (AdamW's own ``defaults`` hold
     ``decoupled_weight_decay``, which its constructor refuses)."""
-    signature = inspect.signature(optimizer.__init__)
+    signature = inspect.signature(optimizer)
     if any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values()):
         return dict(kwargs)
     return {k: v for k, v in kwargs.items() if k in signature.parameters}
@@ -194,4 +194,5 @@ def _as_args(example_input: Any) -> list[Any]:
 
 def _default_loss(model: nn.Module, inputs: list[Any]) -> torch.Tensor:
     out = model(*inputs)
-    return sum(t.float().sum() for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad)
+    leaves = [t.float().sum() for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+    return torch.stack(leaves).sum()

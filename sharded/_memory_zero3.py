@@ -33,7 +33,8 @@ def zero3_layout(
 ) -> Layout:
     """The busiest rank's ZeRO-3 layout (rank 0: it holds the most real rows of every parameter)."""
     param_dtype = getattr(mixed_precision, "param_dtype", None)
-    units, shapes = [], []
+    units: list[UnitSize] = []
+    shapes: list[tuple[torch.Size, torch.dtype]] = []
     for module, params in _units(model, wrap):
         units.append(_unit_size(params, world, param_dtype, is_root=module is model))
         shapes.extend(_rank0_shape(p, world) for p in params if p.requires_grad)
