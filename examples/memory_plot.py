@@ -29,11 +29,11 @@ def save_figure(out: Path, stage_results: Optional[dict] = None, budget_rows: Op
         stage_results = json.loads(saved.read_text())
     panels = [p for p in (stage_results, budget_rows) if p]
     fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.5), squeeze=False)
-    axes = list(axes[0])
+    axes = iter(axes[0])
     if stage_results:
-        _held_per_stage(axes.pop(0), stage_results)
+        _held_per_stage(next(axes), stage_results)
     if budget_rows:
-        _budget(axes.pop(0), budget_rows, budget)
+        _budget(next(axes), budget_rows, budget)
     fig.tight_layout()
     fig.savefig(out / "memory.png", dpi=110)
     plt.close(fig)
