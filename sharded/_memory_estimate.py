@@ -29,14 +29,18 @@ from ._reduce_plan import plan_reduce_buckets
 
 __all__ = ["MemoryEstimate", "estimate_memory", "RUNTIME_BYTES", "STAGE_NAMES"]
 
-# What a fresh CPU process has allocated beyond tensors by its first optimizer step, over its
-# resident set after `import torch` and init_process_group (gloo), measured with
-# MALLOC_MMAP_THRESHOLD_=65536: the part of the peak that no tensor accounts for where the peak
-# is the optimizer step (24-26 MiB for DDP and ZeRO-1 on the 67M-parameter MLP of
-# tests/test_memory_estimate.py, world 2 and 3). Where the peak is early in the first backward
-# (activation-heavy models) the measured peak is the tensors alone, within 2 %: the process has
-# not allocated it yet, so it is added to the optimizer step only. One constant, not a fit per
-# case; on CUDA, where max_memory_allocated counts tensors only, pass runtime_bytes=0.
+# RUNTIME_BYTES: what a CPU rank's resident set gains in its first training step beyond the
+# tensors, so one constant, not a fit per case. Measured on CPU, gloo, torch 2.13, ranks started
+# with MALLOC_MMAP_THRESHOLD_=65536, as the rise of VmHWM over the resident set after `import
+# torch`, init_process_group and the imports DDP and ZeRO-3 make, minus the tensors alive at the
+# peak: 24-26 MiB for DDP and ZeRO-1 on the 67M-parameter MLP of tests/test_memory_estimate.py
+# at world 2 and 3, where the peak is the optimizer step. About 14 MiB of it is file-backed
+# (RssFile rises 13-14 MiB over such a case: pages of libtorch's code and read-only data it
+# runs for the first time); the rest is anonymous (thread stacks, malloc's small-object heaps,
+# autograd and gloo bookkeeping), not broken down further. It is added to the optimizer step
+# only: where the peak is early in the first backward (activation-heavy models) the process has
+# not paid all of it yet and the measured peak is the tensors alone, within 2 %. On CUDA, where
+# max_memory_allocated counts tensors only, pass runtime_bytes=0.
 RUNTIME_BYTES = 24 * 2**20
 
 STAGE_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}

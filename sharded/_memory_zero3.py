@@ -50,9 +50,15 @@ def zero3_layout(
         gathered = root + sum(children)  # SHARD_GRAD_OP: every unit stays gathered until its backward
     communication = gathered + sending
     if device.type == "cpu" and world > 1:
-        # gloo: measured peaks sit one all-gather output and one reduce-scatter input above the
-        # buffers above, at every world size; taken to be the backend staging the full-size
-        # buffer of each collective through a copy (not traced inside gloo)
+        # gloo stages each collective through a full-size buffer of its own. Its all-gather
+        # (ProcessGroupGloo's AsyncAllgatherWork, which all_gather_into_tensor reaches) gathers
+        # into a new flat tensor shaped like the output and then copies it into the caller's:
+        # one more gathered unit while a gather is in flight. Its reduce-scatter of the input's
+        # chunks (the list form _comm uses on gloo) holds one more copy of the whole input:
+        # measured, consistent with it flattening the chunk list into one buffer (that side not
+        # read in the source). Measured peaks on the MLP and GPT of
+        # tests/test_memory_estimate.py, world 2 and 3, sit these two buffers above the ones
+        # above. Applied on CPU only (NCCL gathers and reduces into the caller's buffers).
         communication += sending + (children[0] if children else root)
     shard = sum(u.shard_bytes for u in units)
     grads = sum(u.grad_bytes for u in units)
