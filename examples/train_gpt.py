@@ -34,7 +34,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import importlib
 import os
+import re
 import signal
 import sysconfig
 import time
@@ -47,6 +49,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gpt import GPT, next_token_loss  # examples/gpt.py, beside this script
+import sharded
 from sharded import OSS, ShardedDataParallel, ShardedGradScaler, checkpoint, fully_shard
 
 VOCAB = 256  # bytes
@@ -98,6 +101,7 @@ def autocast(args, device):
 
 def train_stage(stage: str, args, device, train: torch.Tensor, val: torch.Tensor) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
+    reset_peak()
     torch.manual_seed(0)
     model = GPT(VOCAB, args.dim, args.layers, args.heads, args.seq).to(device)
     wrapped, optimizer = build(stage, model, args)
@@ -107,6 +111,7 @@ def train_stage(stage: str, args, device, train: torch.Tensor, val: torch.Tensor
     progress = progress_bar(rank, start, args.steps, stage)
     tokens_per_step = args.batch * args.seq * args.accumulate * world
     first_val = validation_loss(wrapped, val, args, device)
+    peak: Optional[int] = None
     tick = time.perf_counter()
     for step in range(start, args.steps):
         crash_if_asked(step, args.crash_at)
@@ -130,8 +135,10 @@ def train_stage(stage: str, args, device, train: torch.Tensor, val: torch.Tensor
         progress.update()
         tick = now
         if checkpoint_due(step + 1, args):
+            peak = peak_rise() if peak is None else peak  # the steps' peak, not the checkpoint writer's
             save(checkpoints, step + 1, wrapped, optimizer, scaler)
     progress.close()
+    peak = peak_rise() if peak is None else peak
     final_val = validation_loss(wrapped, val, args, device)
     local = optimizer.optim if isinstance(optimizer, OSS) else optimizer
     state = held_bytes(v for s in local.state.values() for v in s.values() if torch.is_tensor(v))
@@ -140,6 +147,7 @@ def train_stage(stage: str, args, device, train: torch.Tensor, val: torch.Tensor
         "params": gather(held_bytes(model.parameters()), device),
         "grads": gather(grads if args.steps > start else 0, device),
         "state": gather(state, device),
+        "peak": gather(peak, device),
     }
 
 
@@ -202,36 +210,53 @@ def progress_bar(rank: int, start: int, total: int, stage: str):
     return tqdm(initial=start, total=total, desc=f"stage {stage}", disable=rank != 0, dynamic_ncols=True)
 
 
-def report(results: dict, out: Path) -> None:
-    """Per-rank memory table on stdout and a bar chart comparing the stages."""
+def estimated(stage: str, args) -> "sharded.MemoryEstimate":
+    """``sharded.estimate_memory`` for a stage of this run (fp32, one micro-batch), from a meta model."""
+    from gpt import Block
+
+    with torch.device("meta"):
+        model = GPT(VOCAB, args.dim, args.layers, args.heads, args.seq)
+    return sharded.estimate_memory(
+        model, world_size=dist.get_world_size(), stage=0 if stage == "ddp" else int(stage), optimizer=torch.optim.AdamW,
+        optimizer_kwargs=dict(lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95)), wrap={Block}, built_whole=True,
+        example_input=torch.zeros(args.batch, args.seq + 1, dtype=torch.long), loss_fn=next_token_loss)
+
+
+def peak_rise() -> int:
+    """Rise of this process's peak resident set since :func:`reset_peak` (bytes)."""
+    return _vm_kib("VmHWM") * 1024 - _peak_start[0]
+
+
+def reset_peak() -> None:
+    """Start measuring a stage's peak: VmHWM := VmRSS. It follows live tensor bytes when the
+    process started with ``MALLOC_MMAP_THRESHOLD_=65536`` (``make demo`` sets it)."""
+    Path("/proc/self/clear_refs").write_text("5")
+    _peak_start[0] = _vm_kib("VmRSS") * 1024
+
+
+_peak_start = [0]
+
+
+def _vm_kib(key: str) -> int:
+    return int(re.search(rf"{key}:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1))
+
+
+def report(results: dict, out: Path, args) -> None:
+    """Per-rank memory table on stdout, each stage's estimate beside it, and the figure."""
     world = len(next(iter(results.values()))["params"])
-    print(f"\n{'stage':<7}{'val loss':>18}" + "".join(f"{'rank ' + str(r) + ' params/grads/state (MiB)':>36}" for r in range(world)))
+    print(f"\n{'stage':<7}{'val loss':>18}" + "".join(f"{'rank ' + str(r) + ' params/grads/state (MiB)':>36}" for r in range(world))
+          + f"{'estimate (busiest rank)':>36}{'peak: est / measured':>24}")
     for stage, r in results.items():
         cells = "".join(f"{r['params'][i] / 2**20:>16.2f}{r['grads'][i] / 2**20:>10.2f}{r['state'][i] / 2**20:>10.2f}" for i in range(world))
-        print(f"{stage:<7}{r['val'][0]:>8.3f} -> {r['val'][1]:.3f}{cells}")
-    import matplotlib
+        e = estimated(stage, args)
+        peaks = f"{e.peak_bytes / 2**20:>14.1f} / {max(r['peak']) / 2**20:.1f}"
+        print(f"{stage:<7}{r['val'][0]:>8.3f} -> {r['val'][1]:.3f}{cells}"
+              f"{e.parameters / 2**20:>16.2f}{e.gradients / 2**20:>10.2f}{e.optimizer_state / 2**20:>10.2f}{peaks}")
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") != "65536":
+        print("(measured peaks follow live bytes only with MALLOC_MMAP_THRESHOLD_=65536 set, as `make demo` does)")
+    from memory_plot import save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(2 + 1.6 * len(results) * world, 4))
-    labels, bottoms = [], []
-    for stage, r in results.items():
-        for rank in range(world):
-            labels.append(f"{stage}\nrank {rank}")
-            bottoms.append((r["params"][rank], r["grads"][rank], r["state"][rank]))
-    x = range(len(labels))
-    base = [0.0] * len(labels)
-    for part, name in enumerate(("parameters", "gradients", "optimizer state")):
-        heights = [b[part] / 2**20 for b in bottoms]
-        ax.bar(x, heights, bottom=base, label=name)
-        base = [a + h for a, h in zip(base, heights)]
-    ax.set_xticks(list(x), labels)
-    ax.set_ylabel("MiB held per rank")
-    ax.set_title("memory per rank by stage (ddp = DDP + AdamW, 1 = ZeRO-1, 2 = ZeRO-2, 3 = ZeRO-3)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "memory.png", dpi=110)
+    save_figure(out, stage_results=results)
     print(f"\nwrote {out / 'memory.png'}")
 
 
@@ -284,6 +309,9 @@ def main() -> None:
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
         device = torch.device("cpu")
+    for module in ("torch._dynamo", "sharded.fsdp.api"):  # DDP's first build imports dynamo: not in a stage's peak
+        importlib.import_module(module)
+
     train, val = stdlib_text()
     if dist.get_rank() == 0:
         print(f"{len(train):,} training / {len(val):,} validation bytes of the standard library; "
@@ -291,7 +319,7 @@ def main() -> None:
     with checkpoint.detect_peer_failure():  # a dead peer: a clear error instead of a backend one
         results = {stage: train_stage(stage, args, device, train, val) for stage in args.stage.split(",")}
     if dist.get_rank() == 0:
-        report(results, Path(args.out))
+        report(results, Path(args.out), args)
     dist.destroy_process_group()
 
 

@@ -7,21 +7,51 @@ API) and ``FullyShardedDataParallel`` (FSDP1's) also shard the parameters (layer
 ``sharded.fsdp``, imported on first use). ``ShardedGradScaler`` makes mixed precision agree
 across shards. ``sharded.checkpoint`` saves and loads sharded, resharding checkpoints for every
 layer; ``sharded.lightning`` (optional) offers all three as Lightning strategies.
+``estimate_memory`` and ``plan`` say what each stage holds per rank, and which fit a budget.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from . import checkpoint
 from .grad_scaler import ShardedGradScaler
 from .oss import OSS
 from .sharded_ddp import ShardedDataParallel
-from .fsdp import __getattr__  # noqa: F401  layer 3 (fully_shard, FullyShardedDataParallel...), imported on first use
+from ._memory_estimate import MemoryEstimate, estimate_memory
+from .fsdp import __getattr__ as _fsdp_getattr
 
 __version__ = "0.1.0"
 
-__all__ = ["OSS", "ShardedDataParallel", "ShardedGradScaler", "fully_shard", "FullyShardedDataParallel", "__version__"]
+__all__ = [
+    "OSS",
+    "ShardedDataParallel",
+    "ShardedGradScaler",
+    "fully_shard",
+    "FullyShardedDataParallel",
+    "MemoryEstimate",
+    "estimate_memory",
+    "plan",
+    "__version__",
+]
+
+
+def __getattr__(name: str) -> Any:
+    """Layer 3 (``fully_shard``, ``FullyShardedDataParallel``...) and ``plan``, on first use.
+
+    ``plan`` lives in ``sharded/plan.py``, which is also the ``python -m sharded.plan`` command;
+    importing that module sets the package attribute ``plan`` to the module, so the function is
+    put back in its place (and not imported eagerly: ``-m`` would then run a module already
+    imported).
+    """
+    if name == "plan":
+        from .plan import plan
+
+        globals()["plan"] = plan
+        return plan
+    return _fsdp_getattr(name)
 
 
 def __dir__() -> list[str]:
-    """The module's names and the lazily imported layer-3 ones (``dir(sharded)`` lists ``fully_shard``)."""
+    """The module's names and the lazily imported ones (``dir(sharded)`` lists ``fully_shard``)."""
     return sorted(set(globals()) | set(__all__))

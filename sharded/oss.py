@@ -24,9 +24,18 @@ from ._norm import clip_by_global_norm
 from ._partition import Partition
 from ._optim_state import consolidated_state_dict, hyperparams, restore_state, snapshot_shard, states_by_param
 
-__all__ = ["OSS"]
+__all__ = ["OSS", "imbalance"]
 
 logger = logging.getLogger(__name__)
+
+IMBALANCE_WARNING = 1.25  # largest rank's trainable bytes over an even share
+
+
+def imbalance(partition: Partition) -> float:
+    """The largest rank's trainable bytes over an even share (1.0: perfectly even)."""
+    loads = partition.trainable_bytes_per_rank()
+    total = sum(loads)
+    return max(loads) * len(loads) / total if total else 1.0
 
 
 
@@ -246,9 +255,24 @@ class OSS(Optimizer):
     def _install(self, partition: Partition) -> None:
         """Make ``partition`` current: the inner optimizer's param lists and the broadcast plan."""
         self._partition = partition
+        self._warn_if_imbalanced_once(partition)
         for inner, mine in zip(self.optim.param_groups, partition.owned_by_group(self.rank)):
             inner["params"] = mine
         self._plan_broadcasts()
+
+    def _warn_if_imbalanced_once(self, partition: Partition) -> None:
+        """Whole parameters cannot be split: a large one (an embedding) can leave one rank far
+        above an even share of the optimizer state, however many ranks there are."""
+        ratio = imbalance(partition)
+        if ratio > IMBALANCE_WARNING and not getattr(self, "_warned_imbalance", False):
+            self._warned_imbalance = True
+            logger.warning(
+                "OSS: the largest rank holds %.2fx an even share of the optimizer state (its "
+                "largest parameters cannot be split across %d ranks); FullyShardedDataParallel "
+                "with ShardingStrategy.SHARD_GRAD_OP shards every parameter element-wise",
+                ratio,
+                self.world_size,
+            )
 
     def _plan_broadcasts(self) -> None:
         """Bucket the trainable parameters by owner, each bucket their storage (no copies to send)."""

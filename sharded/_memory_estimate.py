@@ -1,0 +1,265 @@
+"""How many bytes the busiest rank holds at its worst moment of a training step, per ZeRO stage.
+
+Nothing is allocated: the model may be on the meta device. The placement comes from the planners
+the stages really use (:class:`~sharded._partition.Partition` for ZeRO-1/2, the reduce buckets of
+:func:`~sharded._reduce_plan.plan_reduce_buckets`, the units ``FullyShardedDataParallel`` would
+wrap and their padded shard slots for ZeRO-3); the optimizer state and the step's temporaries
+come from stepping the optimizer itself on meta tensors; activations from a trial forward and
+backward on fake tensors, when an example input is given.
+
+The high-water mark is the larger of two moments of a step: late in backward (parameters,
+optimizer state from the previous step, gradients so far, communication buffers in flight,
+activations) and the optimizer step (parameters, gradients, state, the step's temporaries),
+the latter with a constant ``runtime_bytes`` for what the process itself has allocated by then
+beyond tensors, measured on CPU/gloo (see ``RUNTIME_BYTES``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import nn
+
+from ._flat import plan_buckets
+from ._memory_trial import activation_trial, optimizer_trial
+from ._partition import Partition
+from ._reduce_plan import plan_reduce_buckets
+
+__all__ = ["MemoryEstimate", "estimate_memory", "RUNTIME_BYTES", "STAGE_NAMES"]
+
+# RUNTIME_BYTES: what a CPU rank's resident set gains in its first training step beyond the
+# tensors, so one constant, not a fit per case. Measured on CPU, gloo, torch 2.13, ranks started
+# with MALLOC_MMAP_THRESHOLD_=65536, as the rise of VmHWM over the resident set after `import
+# torch`, init_process_group and the imports DDP and ZeRO-3 make, minus the tensors alive at the
+# peak: 24-26 MiB for DDP and ZeRO-1 on the 67M-parameter MLP of tests/test_memory_estimate.py
+# at world 2 and 3, where the peak is the optimizer step. About 14 MiB of it is file-backed
+# (RssFile rises 13-14 MiB over such a case: pages of libtorch's code and read-only data it
+# runs for the first time); the rest is anonymous (thread stacks, malloc's small-object heaps,
+# autograd and gloo bookkeeping), not broken down further. It is added to the optimizer step
+# only: where the peak is early in the first backward (activation-heavy models) the process has
+# not paid all of it yet and the measured peak is the tensors alone, within 2 %. On CUDA, where
+# max_memory_allocated counts tensors only, pass runtime_bytes=0.
+RUNTIME_BYTES = 24 * 2**20
+
+STAGE_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
+DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb
+OSS_BUCKET_NUMEL = 2**23  # OSS broadcast_buffer_size / ShardedDataParallel reduce_buffer_size
+ZERO3_REDUCTIONS_IN_FLIGHT = 2  # sharded.fsdp._root.MAX_REDUCTIONS_IN_FLIGHT
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-rank bytes of one configuration, for its busiest rank.
+
+    ``communication`` is what the stage's collectives hold at the backward's worst moment
+    (DDP's gradient buckets; ZeRO-2's reduce buckets in flight; ZeRO-3's gathered units and
+    reduce-scatter buffers). ``peak_bytes`` is the high-water mark of everything together.
+    ``bytes_sent`` and ``collectives`` are per rank and step; ``largest_share`` is the busiest
+    rank's share of the sharded model state (ideal: ``1 / world_size``).
+    """
+
+    stage: int
+    world_size: int
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    communication: int
+    activations: int
+    optimizer_step: int
+    runtime: int
+    peak_bytes: int
+    bytes_sent: int
+    collectives: int
+    largest_share: float
+    phases: dict[str, int] = field(default_factory=dict, compare=False)
+
+    @property
+    def name(self) -> str:
+        return STAGE_NAMES[self.stage]
+
+    def __str__(self) -> str:
+        mib = lambda n: f"{n / 2**20:,.1f} MiB"  # noqa: E731
+        parts = ", ".join(
+            f"{k} {mib(getattr(self, k))}"
+            for k in ("parameters", "gradients", "optimizer_state", "communication", "activations", "optimizer_step", "runtime")
+        )
+        return f"{self.name} at {self.world_size} ranks: peak {mib(self.peak_bytes)} ({parts})"
+
+
+def estimate_memory(
+    model: nn.Module,
+    *,
+    world_size: int,
+    stage: int,
+    optimizer: type = torch.optim.Adam,
+    optimizer_kwargs: Optional[dict[str, Any]] = None,
+    mixed_precision: Any = None,
+    wrap: Any = None,
+    reshard_after_forward: bool = True,
+    example_input: Any = None,
+    loss_fn: Optional[Callable[..., torch.Tensor]] = None,
+    activation_bytes: Optional[int] = None,
+    device: Optional[torch.device] = None,
+    built_whole: bool = False,
+    runtime_bytes: int = RUNTIME_BYTES,
+) -> MemoryEstimate:
+    """Estimate the memory of one training step for the busiest rank, without allocating it.
+
+    Args:
+        model: the model (any device; the meta device costs nothing).
+        world_size: ranks the model is trained on.
+        stage: 0 (DDP + the optimizer), 1 (DDP + ``OSS``), 2 (``ShardedDataParallel`` + ``OSS``)
+            or 3 (``FullyShardedDataParallel`` / ``fully_shard``).
+        optimizer / optimizer_kwargs: the optimizer class and its arguments; its state is
+            measured by stepping it on meta tensors.
+        mixed_precision: for stage 3, a ``MixedPrecisionPolicy`` or FSDP1 ``MixedPrecision``
+            (``param_dtype`` sets the gathered parameters' dtype).
+        wrap: stage 3's units: module classes or a policy, as ``FullyShardedDataParallel``'s
+            ``auto_wrap_policy`` takes (the root is always a unit).
+        reshard_after_forward: stage 3 only; ``False`` is SHARD_GRAD_OP (units stay gathered
+            from forward to backward).
+        example_input / loss_fn: measure activations with a trial forward and backward of a
+            copy of the model on fake tensors: ``loss_fn(model, *example_input)`` (default: the
+            sum of the outputs). Or declare them with ``activation_bytes``.
+        device: the compute device (default: the first parameter's, CPU for meta models).
+        built_whole: the model is built whole on every rank before it is wrapped (as the
+            examples do), so stage 3 holds the full parameters once while it shards them;
+            ``False`` (deferred init on the meta device): one unit at a time.
+        runtime_bytes: the process's own allocations by the optimizer step (``RUNTIME_BYTES``).
+    """
+    if stage not in STAGE_NAMES:
+        raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3, got {stage!r}")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("estimate_memory: the model has no trainable parameters")
+    device = device or _compute_device(model)
+    kwargs = dict(optimizer_kwargs or {})
+    activations = _activations(model, example_input, loss_fn, activation_bytes, device, keep_grads=stage < 2)
+    if stage == 3:
+        from ._memory_zero3 import zero3_layout
+
+        layout = zero3_layout(model, world_size, wrap, mixed_precision, reshard_after_forward, device)
+    else:
+        layout = _replicated_layout(model, params, world_size, stage)
+    trial = optimizer_trial(optimizer, kwargs, layout.optimizer_shapes)
+    backward = layout.parameters + trial.state_bytes + layout.backward_bytes + activations
+    step = layout.parameters + layout.gradients + layout.held_in_step + trial.state_bytes + trial.step_bytes + runtime_bytes
+    build = layout.build_bytes if built_whole else layout.parameters + layout.largest_unit_bytes
+    phases = {"build": build, "backward": backward, "optimizer step": step}
+    return MemoryEstimate(
+        stage=stage,
+        world_size=world_size,
+        parameters=layout.parameters,
+        gradients=layout.gradients,
+        optimizer_state=trial.state_bytes,
+        communication=layout.communication,
+        activations=activations,
+        optimizer_step=trial.step_bytes,
+        runtime=runtime_bytes,
+        peak_bytes=max(phases.values()),
+        bytes_sent=layout.bytes_sent,
+        collectives=layout.collectives,
+        largest_share=layout.largest_share,
+        phases=phases,
+    )
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What one stage places on its busiest rank, before the optimizer and activations.
+
+    ``backward_bytes``: gradients and communication buffers held at backward's worst moment;
+    ``held_in_step``: communication buffers still held during the optimizer step (DDP's
+    buckets); ``build_bytes``: the most held while the model is built and wrapped.
+    """
+
+    parameters: int
+    gradients: int
+    communication: int
+    backward_bytes: int
+    held_in_step: int
+    build_bytes: int
+    largest_unit_bytes: int
+    optimizer_shapes: list[tuple[torch.Size, torch.dtype]]
+    bytes_sent: int
+    collectives: int
+    largest_share: float
+
+
+def _compute_device(model: nn.Module) -> torch.device:
+    first = next(model.parameters())
+    return torch.device("cpu") if first.is_meta else first.device
+
+
+def _activations(model, example_input, loss_fn, declared, device, keep_grads: bool) -> int:
+    """Bytes of the trial backward beyond the parameters; gradients count with ``keep_grads``."""
+    if declared is not None:
+        return int(declared)
+    if example_input is None:
+        return 0
+    return activation_trial(model, example_input, loss_fn, device, keep_grads)
+
+
+def _nbytes(p: torch.Tensor) -> int:
+    return p.numel() * p.element_size()
+
+
+def _replicated_layout(model: nn.Module, params: Sequence[torch.Tensor], world: int, stage: int) -> Layout:
+    """DDP, ZeRO-1 and ZeRO-2: every rank holds every parameter."""
+    all_params = list(model.parameters())
+    param_bytes = sum(_nbytes(p) for p in all_params)
+    grad_bytes = sum(_nbytes(p) for p in params)
+    ring = (world - 1) / world
+    if stage == 0:
+        ddp = _ddp_bucket_count(params)
+        return Layout(param_bytes, grad_bytes, grad_bytes, grad_bytes, grad_bytes, 2 * param_bytes, 0,
+                      [(p.shape, p.dtype) for p in params], int(2 * ring * grad_bytes), ddp if world > 1 else 0, 1.0)
+    partition = Partition.build([list(params)], world)
+    loads = partition.trainable_bytes_per_rank()
+    busiest = max(range(world), key=loads.__getitem__)
+    owned = [params[i] for i in partition.owned_indices(busiest, trainable_only=True)]
+    broadcasts = len(plan_buckets(owned, OSS_BUCKET_NUMEL)) if world > 1 else 0
+    share = loads[busiest] / max(1, sum(loads))
+    shapes = [(p.shape, p.dtype) for p in owned]
+    if stage == 1:  # DDP's all-reduce, then the owners' broadcasts
+        calls = (_ddp_bucket_count(params) + _broadcast_count(partition, params)) if world > 1 else 0
+        return Layout(param_bytes, grad_bytes, grad_bytes, grad_bytes, grad_bytes, 2 * param_bytes, 0,
+                      shapes, int(2 * ring * grad_bytes), calls, share)
+    buckets = plan_reduce_buckets(list(reversed(params)), partition.owner_of(), OSS_BUCKET_NUMEL, False)
+    owned_grads = sum(_nbytes(p) for p in owned)
+    in_flight = _reduce_window_bytes(buckets, busiest)
+    calls = (len(buckets) + _broadcast_count(partition, params)) if world > 1 else 0
+    return Layout(param_bytes, owned_grads, in_flight, owned_grads + in_flight, 0, 2 * param_bytes, 0,
+                  shapes, int(2 * ring * grad_bytes), calls, share)
+
+
+def _ddp_bucket_count(params: Sequence[torch.Tensor]) -> int:
+    numel = DDP_BUCKET_BYTES // max(1, params[0].element_size())
+    return len(plan_buckets(list(reversed(params)), numel))
+
+
+def _broadcast_count(partition: Partition, params: Sequence[torch.Tensor]) -> int:
+    """OSS's broadcast buckets per step, summed over the owners (every rank takes part in each)."""
+    index = {p: i for i, p in enumerate(partition.params)}
+    total = 0
+    for rank in range(partition.world_size):
+        owned = [p for p in params if partition.owners[index[p]] == rank]
+        total += len(plan_buckets(owned, OSS_BUCKET_NUMEL))
+    return total
+
+
+def _reduce_window_bytes(buckets, rank: int) -> int:
+    """Most bytes of other owners' reduce buckets a rank holds at once: one window filling
+    while the previous one is still being sent."""
+    windows: list[int] = []
+    for bucket in buckets:
+        if bucket.owner != rank:
+            windows.append(bucket.numel * torch.empty((), dtype=bucket.wire_dtype).element_size())
+    if not windows:
+        return 0
+    largest = sorted(windows, reverse=True)
+    return sum(largest[:2])
