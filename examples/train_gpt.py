@@ -238,7 +238,10 @@ _peak_start = [0]
 
 
 def _vm_kib(key: str) -> int:
-    return int(re.search(rf"{key}:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1))
+    found = re.search(rf"{key}:\s+(\d+) kB", Path("/proc/self/status").read_text())
+    if found is None:
+        raise RuntimeError(f"/proc/self/status has no {key} line: peak memory is measured on Linux only")
+    return int(found.group(1))
 
 
 def report(results: dict, out: Path, args) -> None:
