@@ -11,7 +11,6 @@ runs a forward and backward of a model copy on fake tensors of the model's compu
 from __future__ import annotations
 
 import copy
-import inspect
 import math
 import weakref
 from dataclasses import dataclass
@@ -21,6 +20,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from ._optim_state import constructor_kwargs
 
 __all__ = ["LiveBytes", "OptimizerTrial", "optimizer_trial", "activation_trial"]
 
@@ -85,7 +86,7 @@ def optimizer_trial(
     state made of the parameter's own dimensions (whole, factored or scalar); the temporaries
     are scaled by the element ratio.
     """
-    kwargs = _accepted(optimizer, kwargs)
+    kwargs = constructor_kwargs(optimizer, kwargs)
     params = [nn.Parameter(torch.empty(shape, dtype=dtype, device="meta")) for shape, dtype in shapes]
     if not params:
         return OptimizerTrial(0, 0)
@@ -93,15 +94,6 @@ def optimizer_trial(
         return _meta_step(optimizer, kwargs, params)
     except (RuntimeError, NotImplementedError):
         return _probe_steps(optimizer, kwargs, shapes)
-
-
-def _accepted(optimizer: type, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``kwargs`` without keys the constructor does not take (AdamW's own ``defaults`` hold
-    ``decoupled_weight_decay``, which its constructor refuses)."""
-    signature = inspect.signature(optimizer)
-    if any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values()):
-        return dict(kwargs)
-    return {k: v for k, v in kwargs.items() if k in signature.parameters}
 
 
 def _meta_step(optimizer: type, kwargs: dict[str, Any], params: list[nn.Parameter]) -> OptimizerTrial:

@@ -19,6 +19,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import ConstantLR, LRScheduler
 
 from .._errors import on_rank
+from .._optim_state import constructor_kwargs
 from ..grad_scaler import ShardedGradScaler
 from ..oss import OSS
 from ..sharded_ddp import ShardedDataParallel
@@ -118,16 +119,8 @@ def _as_oss(optimizer: Optimizer, index: int, broadcast_fp16: bool) -> OSS:
 
 
 def constructor_defaults(optimizer: Optimizer) -> dict[str, Any]:
-    """The optimizer's defaults that its constructor takes.
-
-    ``defaults`` can hold more than the constructor accepts (torch's ``AdamW`` records Adam's
-    ``decoupled_weight_decay``); the param groups carry every hyperparameter anyway.
-    """
-    parameters = inspect.signature(type(optimizer).__init__).parameters.values()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-        return dict(optimizer.defaults)
-    names = {p.name for p in parameters}
-    return {k: v for k, v in optimizer.defaults.items() if k in names}
+    """The optimizer's defaults that its constructor takes (to rebuild it over other parameters)."""
+    return constructor_kwargs(type(optimizer), optimizer.defaults)
 
 
 def point_schedulers_at(schedulers: Iterable[Any], replacements: Mapping[Optimizer, Optimizer]) -> None:
