@@ -14,13 +14,13 @@ where they would stand for state the optimizer never had.
 
 from __future__ import annotations
 
-import inspect
 import logging
 from typing import Any, Iterable, Mapping
 
 import torch
 from torch.optim import Optimizer
 
+from .._optim_state import constructor_kwargs
 from ._tensors import local_part
 
 __all__ = ["is_unfilled", "mark_unfilled", "placeholder_states", "unfilled_params", "without_placeholders"]
@@ -65,10 +65,12 @@ def without_placeholders(state: Mapping[str, Any]) -> dict[str, Any]:
     """``state`` (shallow copies along the way) without the optimizer entries still holding
     placeholders: what the optimizer really has, for saving."""
     optim = state.get("optim")
-    if not isinstance(optim, Mapping) or not unfilled_params(optim.get("state", {})):
+    if not isinstance(optim, Mapping):
         return dict(state)
-    unfilled = set(unfilled_params(optim["state"]))
-    kept = {fqn: held if fqn not in unfilled else {} for fqn, held in optim["state"].items()}
+    unfilled = set(unfilled_params(optim.get("state", {})))
+    if not unfilled:
+        return dict(state)
+    kept = {fqn: {} if fqn in unfilled else held for fqn, held in optim["state"].items()}
     return {**state, "optim": {**optim, "state": kept}}
 
 
@@ -85,7 +87,7 @@ def _step_a_copy(optimizer: Optimizer, params: list[torch.Tensor], on_meta: bool
         if on_meta:
             hyper.update({k: v for k, v in _NOT_ON_META.items() if k in hyper})
         groups.append({**hyper, "params": [stand_in[p] for p in group["params"] if p in stand_in]})
-    copy = type(optimizer)([g for g in groups if g["params"]], **_constructor_defaults(optimizer))
+    copy = type(optimizer)([g for g in groups if g["params"]], **constructor_kwargs(type(optimizer), optimizer.defaults))
     with torch.no_grad():
         copy.step()
     return {p: copy.state.get(s, {}) for p, s in stand_in.items()}
@@ -100,15 +102,6 @@ def _stand_in(param: torch.Tensor, on_meta: bool) -> torch.Tensor:
     tensor.requires_grad_(True)
     tensor.grad = torch.zeros_like(tensor)
     return tensor
-
-
-def _constructor_defaults(optimizer: Optimizer) -> dict[str, Any]:
-    """The optimizer's defaults that its constructor takes by name (AdamW, for one, keeps a
-    default it does not accept); the groups carry every hyperparameter anyway."""
-    parameters = inspect.signature(type(optimizer).__init__).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-        return dict(optimizer.defaults)
-    return {k: v for k, v in optimizer.defaults.items() if k in parameters}
 
 
 def _placeholder(value: Any, param: torch.Tensor) -> Any:
