@@ -239,8 +239,15 @@ def rank_main(args) -> int:
                 sys.stderr.flush()
                 os._exit(code)
         code = wait_or_kill(pid, args.timeout)
-        (out / f"{name}-rank{args.rank}.exit").write_text(str(code))
+        publish(out / f"{name}-rank{args.rank}.exit", str(code))
     return 0
+
+
+def publish(path: Path, text: str) -> None:
+    """Write ``path`` whole or not at all: the driver polls for it and reads it once it exists."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    os.replace(partial, path)
 
 
 def wait_or_kill(pid: int, timeout: float) -> int:
