@@ -44,6 +44,11 @@ from . import _comm
 from ._reduce_pass import Fill, Pass
 from ._reduce_plan import plan_reduce_buckets
 
+# Reduces of other owners' buckets a rank keeps in flight during backward before it waits for
+# the oldest: bounds the buffers held when the backward outruns the communication (a starved
+# gloo thread), which otherwise grow with every bucket sent.
+MAX_SENDS_IN_FLIGHT = 1
+
 __all__ = ["BackwardStats", "GradRouter", "Phase"]
 
 
@@ -66,9 +71,8 @@ class BackwardStats:
             at the end-of-backward flush.
         late_reduces: extra reduces for gradients that arrived after their bucket had left.
         peak_bucket_bytes: most bytes of gradient buckets this rank kept at once: its own
-            shard plus buckets filled and waiting for their turn to be sent. (A bucket for
-            another owner counts until it is launched; the transport frees it when the send
-            completes, which depends on the link, not on the plan.)
+            shard, the bucket filling, and buckets for other owners until their send is known
+            to be complete (at most ``MAX_SENDS_IN_FLIGHT`` of those, however slow the link).
         overlap: share of the backward's wall time (from its start to the flush) during which
             a reduce was already under way; near 0 when gradients only arrive at the very end
             (e.g. a compiled backward hands all of them over at once).
@@ -305,23 +309,25 @@ class GradRouter:
                 group=self.group,
                 async_op=True,
             )
-        bw = self._pass
-        bw.in_flight.append((fill, work, is_correction))
-        if fill.bucket.owner != self.rank:
-            bw.held_bytes -= fill.nbytes
+        self._pass.in_flight.append((fill, work, is_correction))
 
     def _release_sent_buckets(self) -> None:
-        """Free the buffers of buckets this rank has finished sending to another owner.
+        """Free the buffers of buckets this rank has finished sending to another owner, and wait
+        for the older ones so that at most ``MAX_SENDS_IN_FLIGHT`` are held: the next bucket
+        fills beside them, so a rank holds at most that many plus one buckets of other owners'
+        gradients however far the communication lags behind the backward.
 
         Owned buckets wait for the flush: reading their 'used' flags would make an accelerator
         synchronise in the middle of backward.
         """
         bw = self._pass
+        sending = sum(1 for fill, _, _ in bw.in_flight if fill.bucket.owner != self.rank)
         still_in_flight: deque[tuple[Fill, dist.Work, bool]] = deque()
         for entry in bw.in_flight:
             fill, work, _ = entry
-            if fill.bucket.owner != self.rank and work.is_completed():
+            if fill.bucket.owner != self.rank and (sending > MAX_SENDS_IN_FLIGHT or work.is_completed()):
                 self._finish(*entry)
+                sending -= 1
             else:
                 still_in_flight.append(entry)
         bw.in_flight = still_in_flight
@@ -372,6 +378,8 @@ class GradRouter:
             work.wait()
         if fill.bucket.owner == self.rank:
             fill.hand_out(add_to_existing=is_correction)
+        else:
+            self._pass.held_bytes -= fill.nbytes
 
     def _learn_from(self, bw: Pass) -> None:
         """Expect as many arrivals per parameter as this backward had; re-plan once by its order."""

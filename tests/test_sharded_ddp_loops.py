@@ -14,6 +14,7 @@ against) moves parameters by 1e-2 or more.
 from __future__ import annotations
 
 import contextlib
+import unittest.mock
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
+import sharded._grad_router
 from sharded import OSS, ShardedDataParallel
 from tests._harness import assert_same_on_all_ranks, run_on_ranks
 from tests._models import gpt, gpt_loss, token_batch
@@ -297,6 +299,50 @@ def _check_reduce_order_and_unused(rank, world):
     assert with_unused.late_reduces == 0
 
 
+class _LaggingWork:
+    """A reduce's Work that reports itself unfinished until waited for: a link slower than the
+    backward, every time."""
+
+    def __init__(self, work) -> None:
+        self._work = work
+        self.waited = False
+
+    def is_completed(self) -> bool:
+        return False
+
+    def wait(self, timeout=None) -> bool:
+        self.waited = True
+        return self._work.wait()
+
+
+def _check_reduce_buffers_are_bounded_when_the_link_lags(rank, world):
+    ref = _Reversed()
+    _train_reversed(DDP(ref), torch.optim.SGD(ref.parameters(), **SGD), rank, 3)
+    model = _Reversed()
+    optimizer = OSS(model.parameters(), torch.optim.SGD, **SGD)
+    wrapped = ShardedDataParallel(model, optimizer, reduce_buffer_size=300)  # a bucket per tensor
+    real_reduce = torch.distributed.reduce
+    sent: list[_LaggingWork] = []  # reduces to other owners: their buffers live until waited for
+    most_unwaited = 0
+
+    def lagging_reduce(tensor, dst, *args, **kwargs):
+        nonlocal most_unwaited
+        work = _LaggingWork(real_reduce(tensor, dst, *args, **kwargs))
+        if dst != rank:
+            sent.append(work)
+            most_unwaited = max(most_unwaited, sum(1 for w in sent if not w.waited))
+        return work
+
+    with unittest.mock.patch.object(torch.distributed, "reduce", lagging_reduce):
+        _train_reversed(wrapped, optimizer, rank, 3)
+    _assert_close(model, ref, "reduces that lag behind the backward")
+    per_backward = len(sent) // 3
+    # No send ever confirmed itself, yet when a bucket left at most MAX_SENDS_IN_FLIGHT earlier
+    # ones were still held beside it (without the bound: every one of the backward's).
+    bound = sharded._grad_router.MAX_SENDS_IN_FLIGHT + 1
+    assert world == 1 or most_unwaited <= bound < per_backward, (most_unwaited, per_backward)
+
+
 def _check_parameter_used_only_sometimes(rank, world):
     # used on rank 0 at steps 1 and 2 only: at step 1 its gradient arrives after its bucket
     # left (it was unused at step 0, so nothing waited for it); at step 2 it is expected
@@ -321,4 +367,9 @@ def test_reduce_order_follows_the_real_backward_and_unused_parameters_do_not_sta
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_parameter_used_on_some_steps_and_ranks_only_matches_ddp(world_size):
-    run_on_ranks(_check_parameter_used_only_sometimes, world_size)
+    run_on_ranks(_check_sometimes_used_and_lagging_link, world_size)
+
+
+def _check_sometimes_used_and_lagging_link(rank, world):
+    _check_parameter_used_only_sometimes(rank, world)
+    _check_reduce_buffers_are_bounded_when_the_link_lags(rank, world)
