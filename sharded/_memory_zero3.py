@@ -48,7 +48,8 @@ def zero3_layout(
         gathered = root + sum(children[:2]) + (children[0] if children else 0)
     else:
         gathered = root + sum(children)  # SHARD_GRAD_OP: every unit stays gathered until its backward
-    communication = gathered + sending
+    # The reduce-scatters' send buffers alive at once (set_reduce_scatter_max_input_buffers).
+    communication = gathered + ZERO3_REDUCTIONS_IN_FLIGHT * sending
     if device.type == "cpu" and world > 1:
         # gloo stages each collective through a full-size buffer of its own. Its all-gather
         # (ProcessGroupGloo's AsyncAllgatherWork, which all_gather_into_tensor reaches) gathers
