@@ -22,6 +22,7 @@ from ._collect import check_not_sharded, collect_unit_params
 from .._errors import on_rank
 from ._fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method, run_pre_forward
 from ._hooks import install_forward_hooks
+from ._layout import layout_for, local_tensor_of
 from ._mesh import resolve_mesh
 from ._param import ShardedParam, ShardGeometry
 from ._registry import install_optimizer_guard, register_sharded, retire
@@ -94,11 +95,18 @@ def fully_shard(
     taken = collect_unit_params(modules, _ids_of(modules, ignored_params))
     check_placements(shard_placement_fn, taken)
     params = [
-        ShardedParam(name, registered_as, ShardGeometry(param.shape, info.shard_world), info.mesh, info.shard_rank)
+        ShardedParam(
+            name,
+            registered_as,
+            ShardGeometry(local_tensor_of(param).shape, info.shard_world),
+            info.mesh,
+            info.shard_rank,
+            layout_for(param, name, info.mesh),
+        )
         for name, param, registered_as in taken
     ]
     unit = Unit(modules, params, info, UnitConfig(mp_policy, offload_policy, reshard_after_forward))
-    unit.storage.shard_from_full([param for _, param, _ in taken])
+    unit.storage.shard_from_full([local_tensor_of(param) for _, param, _ in taken])
     for sp, (_, original, _) in zip(params, taken):
         sp.show_sharded()
         register_sharded(sp.sharded, unit)
