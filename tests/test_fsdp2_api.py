@@ -204,7 +204,6 @@ def _members(rank, world):
 
     for call, names in (
         (lambda: fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(1)), ["shard_placement_fn", "Shard(dim=1)"]),
-        (lambda: fully_shard(nn.Linear(4, 4), dp_mesh_dims=object()), ["dp_mesh_dims"]),
         (lambda: model.set_symm_mem_for_comm(), ["set_symm_mem_for_comm"]),
         (lambda: model.set_allocate_memory_from_process_group_for_comm(True), ["set_allocate_memory_from_process_group_for_comm"]),
         (lambda: model._get_fsdp_state()._fsdp_param_groups, ["_fsdp_param_groups"]),

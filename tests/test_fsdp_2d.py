@@ -1,6 +1,8 @@
 """2-D parallelism: ``fully_shard`` on the data-parallel dim of a model whose layers are already
 tensor-parallel (``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel`` on the
-``"tp"`` dim of a 2x2 mesh), as torchtitan composes them.
+``"tp"`` dim of a 2x2 mesh), as torchtitan composes them; and ``dp_mesh_dims``, where every
+parameter is a DTensor on the whole SPMD mesh and ``fully_shard`` is told which dims are data
+parallel (FSDP on ``("dp", "tp")``, hybrid on ``("rep", "shard")``).
 
 Compared with torch's own ``fully_shard`` on the same code and data: losses, gradient norms and
 parameters bit for bit (gloo on CPU reduces deterministically, and over two data-parallel ranks
@@ -129,14 +131,75 @@ def test_fsdp_on_tensor_parallel_params_matches_torch():
     run_on_ranks(_two_d_cases, 4, timeout=150)
 
 
-def _refusals(rank, world):
+def spmd_model(mesh, plan) -> nn.Sequential:
+    """Layers whose parameters are DTensors on the whole SPMD ``mesh`` (``plan``: name -> the
+    placements), as ``distribute_module`` leaves them."""
+    from torch.distributed.tensor import distribute_tensor
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 10), nn.ReLU(), nn.Linear(10, 8), nn.ReLU(), nn.Linear(8, 4))
+    for name, param in list(model.named_parameters()):
+        owner, attr = name.rsplit(".", 1)
+        placed = distribute_tensor(param.detach(), mesh, plan(name))
+        setattr(model.get_submodule(owner), attr, nn.Parameter(placed))
+    return model
+
+
+def train_spmd(model, mesh, batch_placements, steps=3):
+    """DTensor inputs cut over the data-parallel dims; AdamW; the loss a DTensor too."""
+    from torch.distributed.tensor import distribute_tensor
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = []
+    for step in range(steps):
+        x = distribute_tensor(torch.randn(8, 8, generator=torch.Generator().manual_seed(step)), mesh, batch_placements)
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach().full_tensor())
+    return torch.stack(losses), full_tensors(model.parameters())
+
+
+def _spmd_cases(rank, world):
+    """``dp_mesh_dims``: FSDP on the "dp" dim of a (dp, tp) mesh, hybrid on a (rep, shard) one;
+    then what is refused, and how."""
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import DataParallelMeshDims
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.tensor import Replicate, Shard
+
+    from sharded import fully_shard
+
+    tp_plan = {"0.weight": Shard(0), "0.bias": Shard(0), "2.weight": Shard(1)}  # column-, row-parallel
+    dp_tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    hybrid = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard"))
+    for what, mesh, dims, plan, batch in (
+        ("FSDP + TP on an SPMD mesh", dp_tp, DataParallelMeshDims(shard="dp"),
+         lambda n: [Replicate(), tp_plan.get(n, Replicate())],
+         [Shard(0), Replicate()]),
+        ("HSDP on an SPMD mesh", hybrid, DataParallelMeshDims(shard="shard", replicate="rep"),
+         lambda n: [Replicate(), Replicate()], [Shard(0), Shard(0)]),
+    ):
+        theirs, ours = spmd_model(mesh, plan), spmd_model(mesh, plan)
+        torch_fully_shard(theirs, mesh=mesh, dp_mesh_dims=dims)
+        fully_shard(ours, mesh=mesh, dp_mesh_dims=dims)
+        _assert_same_dtensors(ours.state_dict(), theirs.state_dict(), f"{what}, before training")
+        for name, a, b in zip(("losses", "parameters"), train_spmd(ours, mesh, batch), train_spmd(theirs, mesh, batch)):
+            for x, y in zip(a, b):
+                assert torch.equal(x, y), f"{what}: {name} differ from torch's by {(x - y).abs().max():.3g}"
+        _assert_same_dtensors(ours.state_dict(), theirs.state_dict(), f"{what}, after training")
+    _refusals(rank, dp_tp)
+
+
+def _refusals(rank, mesh):
+    from torch.distributed.fsdp import DataParallelMeshDims
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     from sharded import fully_shard
     from sharded.fsdp import summon_full_params
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     layer = parallelize_module(nn.Linear(4, 4), mesh["tp"], ColwiseParallel())
     with pytest.raises(ValueError, match=rf"rank {rank}.*weight.*overlap"):
         fully_shard(layer, mesh=mesh)
@@ -144,7 +207,20 @@ def _refusals(rank, world):
     with pytest.raises(NotImplementedError, match=rf"rank {rank}.*up.weight is tensor-parallel"):
         with summon_full_params(model):
             pass
+    replicated = lambda n: [Replicate(), Replicate()]  # noqa: E731
+    for call, error, words in (
+        (lambda: fully_shard(nn.Linear(4, 4), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp")), ValueError, "plain tensor for parameter weight"),
+        (lambda: fully_shard(spmd_model(mesh, lambda n: [Shard(0), Replicate()]), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp")), ValueError, "Replicate"),
+        (lambda: fully_shard(spmd_model(mesh, replicated), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="sp")), ValueError, "'sp' not found"),
+        (lambda: fully_shard(spmd_model(mesh, replicated), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard=("dp", "tp"))), NotImplementedError, "one shard dim"),
+        (lambda: fully_shard(spmd_model(mesh, replicated), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(replicate="dp")), NotImplementedError, "replicate-only"),
+        (lambda: fully_shard(spmd_model(mesh, replicated), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"), reshard_after_forward=2), NotImplementedError, "reshard_after_forward as int"),
+        (lambda: fully_shard(nn.Linear(4, 4), dp_mesh_dims=object()), TypeError, "DataParallelMeshDims"),
+    ):
+        with pytest.raises(error) as raised:
+            call()
+        assert f"rank {rank}" in str(raised.value) and words in str(raised.value), raised.value
 
 
-def test_fsdp_on_tensor_parallel_params_refuses_what_it_cannot_do():
-    run_on_ranks(_refusals, 4)
+def test_dp_mesh_dims_matches_torch_and_refuses_what_it_cannot_do():
+    run_on_ranks(_spmd_cases, 4, timeout=150)

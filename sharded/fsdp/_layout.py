@@ -25,7 +25,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from .._errors import on_rank
 
-__all__ = ["DTensorLayout", "layout_for", "local_tensor_of"]
+__all__ = ["DTensorLayout", "layout_for", "local_tensor_of", "contiguous_stride"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,7 @@ class DTensorLayout:
     stride: tuple[int, ...]
     compute_mesh: Optional[DeviceMesh] = None
     compute_placements: tuple[Placement, ...] = ()
+    grad_kept_dims: frozenset[int] = frozenset()  # mesh dims a gradient keeps its placement on
 
     def sharded(self, local: torch.Tensor) -> DTensor:
         """``local`` (this rank's rows) as the sharded DTensor."""
@@ -57,8 +58,9 @@ class DTensorLayout:
         """The unsharded gradient as a plain tensor shaped like the gathered local tensor."""
         if not isinstance(grad, DTensor):
             return grad
-        if tuple(grad.placements) != self.compute_placements:
-            grad = grad.redistribute(placements=self.compute_placements)
+        target = tuple(g if i in self.grad_kept_dims else p for i, (g, p) in enumerate(zip(grad.placements, self.compute_placements)))
+        if tuple(grad.placements) != target:
+            grad = grad.redistribute(placements=target)
         return grad.to_local()
 
 
@@ -86,7 +88,7 @@ def layout_for(param: torch.Tensor, name: str, dp_mesh: DeviceMesh) -> Optional[
             f"mesh {dp_mesh} ({error}); take both as dims of one DeviceMesh (mesh['dp'], mesh['tp'])"
         )) from None
     return DTensorLayout(
-        spmd_mesh, dp + (own,) + tp_placements, param.shape, _contiguous_stride(param.shape), tp_mesh, tp_placements
+        spmd_mesh, dp + (own,) + tp_placements, param.shape, contiguous_stride(param.shape), tp_mesh, tp_placements
     )
 
 
@@ -115,7 +117,7 @@ def _check_tensor_parallel(name: str, tp_mesh: DeviceMesh, placements: tuple[Pla
         ))
 
 
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+def contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
     strides, step = [], 1
     for size in reversed(shape):
         strides.append(step)

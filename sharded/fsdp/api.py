@@ -23,8 +23,9 @@ from .._errors import on_rank
 from ._fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method, run_pre_forward
 from ._hooks import install_forward_hooks
 from ._layout import layout_for, local_tensor_of
-from ._mesh import resolve_mesh
+from ._mesh import MeshInfo, resolve_mesh
 from ._param import ShardedParam, ShardGeometry
+from ._spmd import resolve_spmd_mesh, spmd_layout
 from ._registry import install_optimizer_guard, register_sharded, retire
 from ._unit import Unit, UnitConfig
 from .policies import MixedPrecisionPolicy, OffloadPolicy
@@ -85,10 +86,8 @@ def fully_shard(
         dp_mesh_dims: torch's N-D SPMD mesh option; not supported (``NotImplementedError``).
     """
     modules = _modules_of(module)
-    if dp_mesh_dims is not None:
-        raise NotImplementedError(on_rank("fully_shard(dp_mesh_dims=...): N-D SPMD meshes are not supported by sharded; pass a 1-D or 2-D data-parallel mesh"))
     mp_policy, offload_policy = as_our_policies(mp_policy, offload_policy)
-    info = resolve_mesh(process_group, mesh)
+    info = resolve_mesh(process_group, mesh) if dp_mesh_dims is None else _spmd_mesh(process_group, mesh, dp_mesh_dims, reshard_after_forward)
     reshard_after_forward = resolve_reshard_after_forward(reshard_after_forward, info.shard_world)
     for m in modules:
         check_not_sharded(m)
@@ -101,7 +100,7 @@ def fully_shard(
             ShardGeometry(local_tensor_of(param).shape, info.shard_world),
             info.mesh,
             info.shard_rank,
-            layout_for(param, name, info.mesh),
+            layout_for(param, name, info.mesh) if info.spmd is None else spmd_layout(param, name, info.spmd),
         )
         for name, param, registered_as in taken
     ]
@@ -117,6 +116,14 @@ def fully_shard(
         m.__class__ = _with_fsdp_methods(cast(type, type(m)))
     install_optimizer_guard()
     return module
+
+
+def _spmd_mesh(process_group: Any, mesh: Optional[DeviceMesh], dp_mesh_dims: Any, reshard_after_forward: Any) -> MeshInfo:
+    if process_group is not None:
+        raise ValueError(on_rank("fully_shard(dp_mesh_dims=...) takes the SPMD mesh as mesh=, not process_group="))
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError(on_rank("fully_shard: reshard_after_forward as int is not yet supported with SPMD mesh (dp_mesh_dims)"))
+    return resolve_spmd_mesh(mesh, dp_mesh_dims)
 
 
 def _modules_of(module: Any) -> list[nn.Module]:
