@@ -193,6 +193,7 @@ def _spmd_cases(rank, world):
 
 
 def _refusals(rank, mesh):
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import DataParallelMeshDims
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
@@ -208,6 +209,7 @@ def _refusals(rank, mesh):
         with summon_full_params(model):
             pass
     replicated = lambda n: [Replicate(), Replicate()]  # noqa: E731
+    wide = init_device_mesh("cpu", (4, 1), mesh_dim_names=("dp", "tp"))
     for call, error, words in (
         (lambda: fully_shard(nn.Linear(4, 4), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp")), ValueError, "plain tensor for parameter weight"),
         (lambda: fully_shard(spmd_model(mesh, lambda n: [Shard(0), Replicate()]), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp")), ValueError, "Replicate"),
@@ -216,6 +218,8 @@ def _refusals(rank, mesh):
         (lambda: fully_shard(spmd_model(mesh, replicated), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(replicate="dp")), NotImplementedError, "replicate-only"),
         (lambda: fully_shard(spmd_model(mesh, replicated), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"), reshard_after_forward=2), NotImplementedError, "reshard_after_forward as int"),
         (lambda: fully_shard(nn.Linear(4, 4), dp_mesh_dims=object()), TypeError, "DataParallelMeshDims"),
+        (lambda: fully_shard(parallelize_module(nn.Linear(4, 4), wide["tp"], ColwiseParallel()), mesh=wide["dp"], reshard_after_forward=2),
+         NotImplementedError, "weight is a DTensor; resharding to a smaller mesh"),
     ):
         with pytest.raises(error) as raised:
             call()

@@ -26,6 +26,7 @@ from ._layout import layout_for, local_tensor_of
 from ._mesh import MeshInfo, resolve_mesh
 from ._param import ShardedParam, ShardGeometry
 from ._spmd import resolve_spmd_mesh, spmd_layout
+from ._secondary_shard import secondary_shard_for
 from ._registry import install_optimizer_guard, register_sharded, retire
 from ._unit import Unit, UnitConfig
 from .policies import MixedPrecisionPolicy, OffloadPolicy
@@ -105,6 +106,9 @@ def fully_shard(
         for name, param, registered_as in taken
     ]
     unit = Unit(modules, params, info, UnitConfig(mp_policy, offload_policy, reshard_after_forward))
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        _check_plain_params(params, reshard_after_forward)
+        unit.secondary_shard = secondary_shard_for(info, reshard_after_forward)
     unit.storage.shard_from_full([local_tensor_of(param) for _, param, _ in taken])
     for sp, (_, original, _) in zip(params, taken):
         sp.show_sharded()
@@ -124,6 +128,15 @@ def _spmd_mesh(process_group: Any, mesh: Optional[DeviceMesh], dp_mesh_dims: Any
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         raise NotImplementedError(on_rank("fully_shard: reshard_after_forward as int is not yet supported with SPMD mesh (dp_mesh_dims)"))
     return resolve_spmd_mesh(mesh, dp_mesh_dims)
+
+
+def _check_plain_params(params: list[ShardedParam], reshard_after_forward: int) -> None:
+    tensor_parallel = [sp.fqn for sp in params if sp.layout is not None]
+    if tensor_parallel:
+        raise NotImplementedError(on_rank(
+            f"fully_shard(reshard_after_forward={reshard_after_forward}): parameter {tensor_parallel[0]} is a DTensor; "
+            "resharding to a smaller mesh is not supported for DTensor parameters (nor by torch)"
+        ))
 
 
 def _modules_of(module: Any) -> list[nn.Module]:
