@@ -153,6 +153,7 @@ class Unit:
         self.reduce_scatter_unused_params = False
         self.max_reductions_in_flight: Optional[int] = None
         self.all_reduce_hook: Optional[Any] = None
+        self.all_reduce_hook_stream: Optional[Any] = None
         self.custom_all_gather: Optional[Any] = None
         self.custom_reduce_scatter: Optional[Any] = None
         self.reduce_scatter_group: Optional[dist.ProcessGroup] = None
@@ -387,6 +388,7 @@ class Unit:
             carried=carried,
             keep_partial=self._keep_partial,
             hook=self.all_reduce_hook,
+            hook_stream=(self.all_reduce_hook_stream, self.device) if self.all_reduce_hook_stream is not None else None,
             land_unused=self.reduce_scatter_unused_params,
             comm=self.custom_reduce_scatter,
         )
