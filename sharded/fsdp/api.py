@@ -4,7 +4,8 @@ This file validates arguments and wires things up; the mechanism is in the priva
 (``_param``: one parameter's sharded and unsharded forms; ``_flat_buffers``: a unit's flat
 buffers, and its gradients' packing; ``_collectives``: all-gather and reduce-scatter, moving
 bytes only; ``_reduction``: a gradient reduction in flight; ``_unit``: a unit's lifecycle;
-``_root``: the model-wide forward/backward duties).
+``_root``: the model-wide forward/backward duties; ``_layout`` / ``_spmd``: DTensor parameters
+(tensor parallelism, ``dp_mesh_dims``); ``_secondary_shard``: ``reshard_after_forward=k``).
 """
 
 from __future__ import annotations
@@ -72,19 +73,29 @@ def fully_shard(
             ``fully_shard`` calls come first).
         process_group: the ranks to shard over (default: all); or give ``mesh``.
         mesh: a 1-D ``DeviceMesh`` to shard over, or a 2-D ``(replicate, shard)`` mesh for
-            hybrid sharding: shard within a row, average gradients across rows.
+            hybrid sharding: shard within a row, average gradients across rows. Parameters that
+            are DTensors already (tensor parallelism on another dim of the same mesh, e.g.
+            ``parallelize_module`` on ``mesh["tp"]`` and ``mesh=mesh["dp"]`` here) have their
+            local tensors sharded over this mesh: at rest they are DTensors on both meshes, as
+            with torch (2-D FSDP + TP).
         reshard_after_forward: free the gathered parameters after forward (``True``: ZeRO-3) or
             keep them until backward (``False``: less communication, more memory, like ZeRO-2);
             ``None`` (default): ``True``, except for the root. An ``int`` is the world to reshard
-            to after forward: the shard world means ``True``, ``1`` means ``False``; anything
-            between (ZeRO++'s secondary shard) raises ``NotImplementedError``.
+            to after forward: the shard world means ``True``, ``1`` means ``False``, a divisor
+            ``k`` between (ZeRO++'s secondary shard) keeps ``1/k`` of the gathered parameters
+            after forward and all-gathers within groups of ``k`` ranks in backward (not for
+            DTensor parameters: ``NotImplementedError``, as in torch).
         shard_placement_fn: ``param -> None | Shard(0)``; another placement raises
             ``NotImplementedError``.
         mp_policy: mixed precision (:class:`MixedPrecisionPolicy`, ours or torch's).
         offload_policy: ``CPUOffloadPolicy`` (ours or torch's) to keep shards, gradients and the
             optimizer step on the CPU; ``None`` or ``OffloadPolicy()``: no offloading.
         ignored_params: parameters to leave alone: not sharded, not gathered, not reduced.
-        dp_mesh_dims: torch's N-D SPMD mesh option; not supported (``NotImplementedError``).
+        dp_mesh_dims: a ``torch.distributed.fsdp.DataParallelMeshDims``: ``mesh`` is then the
+            whole SPMD mesh, every parameter a DTensor on it, ``Replicate()`` on the data-parallel
+            dims; sharded on the ``shard`` dim (and all-reduced over the ``replicate`` dim). One
+            name per field; several (torch flattens them), or ``replicate`` alone, raise
+            ``NotImplementedError``.
     """
     modules = _modules_of(module)
     mp_policy, offload_policy = as_our_policies(mp_policy, offload_policy)
