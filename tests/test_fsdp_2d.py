@@ -7,8 +7,9 @@ parallel (FSDP on ``("dp", "tp")``, hybrid on ``("rep", "shard")``).
 Compared with torch's own ``fully_shard`` on the same code and data: losses, gradient norms and
 parameters bit for bit (gloo on CPU reduces deterministically, and over two data-parallel ranks
 a sum and an average round alike), and ``state_dict()`` holds the same DTensors (mesh,
-placements, local tensors). The model mixes TP and plain parameters in one unit, and an uneven
-column-parallel layer (10 rows: 5 per TP rank, cut 3 + 2 by the data-parallel ranks).
+placements, local tensors), also after a round trip through ``sharded.checkpoint`` into torch's
+model. The model mixes TP and plain parameters in one unit, and an uneven column-parallel layer
+(10 rows: 5 per TP rank, cut 3 + 2 by the data-parallel ranks).
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def _assert_same_dtensors(ours: dict, theirs: dict, what: str) -> None:
         assert torch.equal(a, b), f"{what}: {key} differs from torch's"
 
 
-def _two_d_cases(rank, world):
+def _two_d_cases(rank, world, directory):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -125,10 +126,21 @@ def _two_d_cases(rank, world):
                 assert torch.equal(x, y), f"{what}: {name} differ from torch's by {(x - y).abs().max():.3g}"
         _assert_same_dtensors(ours.state_dict(), theirs.state_dict(), f"{what}, after training")
         dist.barrier()
+    # sharded.checkpoint: ours saved, loaded into torch's 2-D model
+    from sharded import checkpoint
+
+    optimizer = torch.optim.AdamW(ours.parameters(), lr=1e-2)
+    checkpoint.save(checkpoint.get_state_dict(ours, optimizer), f"{directory}/2d")
+    fresh = parallelize(torch_fully_shard, mesh)
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    state = checkpoint.get_state_dict(fresh, fresh_optimizer)
+    checkpoint.load(state, f"{directory}/2d")
+    checkpoint.set_state_dict(fresh, fresh_optimizer, state)
+    _assert_same_dtensors(fresh.state_dict(), ours.state_dict(), "loaded from sharded.checkpoint")
 
 
-def test_fsdp_on_tensor_parallel_params_matches_torch():
-    run_on_ranks(_two_d_cases, 4, timeout=150)
+def test_fsdp_on_tensor_parallel_params_matches_torch(tmp_path):
+    run_on_ranks(_two_d_cases, 4, str(tmp_path), timeout=150)
 
 
 def spmd_model(mesh, plan) -> nn.Sequential:
