@@ -9,7 +9,7 @@ pieces an all-gather over its group puts back in order.
 
 The module shows its ordinary sharded parameters between forward and backward (torch shows a
 DTensor on the ``(world/k, k)`` mesh there); the kept piece is internal and is used by the next
-backward only: a new forward gathers from the shards again.
+backward only (a gather outside backward drops it and gathers from the shards).
 """
 
 from __future__ import annotations

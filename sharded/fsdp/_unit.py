@@ -212,7 +212,8 @@ class Unit:
         if not self.storage.aliases_shards and self.storage.shard_numel:
             self.streams.all_gather_after_compute()  # e.g. the optimizer step wrote the shards
             source, group, world = self.storage.sharded_flat, self.mesh_info.shard_group, self.mesh_info.shard_world
-            if piece is not None and self.secondary_shard is not None:  # backward after an hpZ forward
+            in_backward = self.root is not None and self.root.in_backward
+            if piece is not None and self.secondary_shard is not None and in_backward:  # after an hpZ forward
                 source, group, world = piece, self.secondary_shard.group, self.secondary_shard.world
             with self.streams.on_all_gather(), record_function(self.labels.all_gather):
                 self._gather = start_all_gather(
@@ -265,7 +266,6 @@ class Unit:
             if root.unit is self:
                 root.begin_forward()
             self.training_state = TrainingState.FORWARD
-            self._post_forward_piece = None  # a new forward gathers from the shards
             self._modules_to_run = set(self.modules)
             root.record_forward(self)
             self.unshard(async_op=True)
