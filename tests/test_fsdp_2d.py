@@ -7,7 +7,8 @@ parallel (FSDP on ``("dp", "tp")``, hybrid on ``("rep", "shard")``).
 Compared with torch's own ``fully_shard`` on the same code and data: losses, gradient norms and
 parameters bit for bit (gloo on CPU reduces deterministically, and over two data-parallel ranks
 a sum and an average round alike), and ``state_dict()`` holds the same DTensors (mesh,
-placements, local tensors), also after a round trip through ``sharded.checkpoint`` into torch's
+placements, local tensors), also with hybrid sharding (a ``(rep, shard, tp)`` mesh of 2x1x2) and
+after a round trip through ``sharded.checkpoint`` into torch's
 model. The model mixes TP and plain parameters in one unit, and an uneven column-parallel layer
 (10 rows: 5 per TP rank, cut 3 + 2 by the data-parallel ranks).
 """
@@ -64,12 +65,12 @@ def parallelize(shard, mesh, **kwargs) -> TPNet:
     return model
 
 
-def train(model, mesh, steps=3):
-    """AdamW with clipping; every TP rank of a data-parallel rank sees that rank's batch."""
+def train(model, batch_seed, steps=3):
+    """AdamW with clipping; every TP rank of a data-parallel rank sees the same batches."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     losses, norms = [], []
     for step in range(steps):
-        batch = token_batch(mesh.get_local_rank(0), step, seq=8)
+        batch = token_batch(batch_seed, step, seq=8)
         loss = F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
         loss.backward()
         norms.append(_clip(model.parameters(), 1.0))
@@ -113,30 +114,37 @@ def _two_d_cases(rank, world, directory):
     from sharded import fully_shard
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    for what, kwargs in (
-        ("FSDP + TP", {}),
-        ("FSDP + TP, reshard_after_forward=False, bf16 compute", dict(reshard_after_forward=False, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))),
+    # hybrid: all-reduced over "rep", sharded over a "shard" dim of one rank
+    hybrid = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("rep", "shard", "tp"))
+    hybrid_meshes = {"dp": hybrid["rep", "shard"], "tp": hybrid["tp"]}
+    trained = None  # the first case's model, for the checkpoint
+    for what, meshes, kwargs in (
+        ("FSDP + TP", mesh, {}),
+        ("FSDP + TP, reshard_after_forward=False, bf16 compute", mesh, dict(reshard_after_forward=False, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))),
+        ("HSDP + TP", hybrid_meshes, {}),
     ):
-        theirs, ours = parallelize(torch_fully_shard, mesh, **kwargs), parallelize(fully_shard, mesh, **kwargs)
+        theirs, ours = parallelize(torch_fully_shard, meshes, **kwargs), parallelize(fully_shard, meshes, **kwargs)
         up = ours.blocks[0].up.weight
-        assert isinstance(up, DTensor) and up.device_mesh.mesh_dim_names == ("dp", "tp"), up
+        assert isinstance(up, DTensor) and up.device_mesh.ndim == meshes["dp"].ndim + 1, up
         _assert_same_dtensors(ours.state_dict(), theirs.state_dict(), f"{what}, before training")
-        for name, a, b in zip(("losses", "gradient norms", "parameters"), train(ours, mesh), train(theirs, mesh)):
+        batch_seed = rank // 2  # the data-parallel rank (the first mesh dim) on both meshes
+        for name, a, b in zip(("losses", "gradient norms", "parameters"), train(ours, batch_seed), train(theirs, batch_seed)):
             for x, y in zip(a, b):
                 assert torch.equal(x, y), f"{what}: {name} differ from torch's by {(x - y).abs().max():.3g}"
         _assert_same_dtensors(ours.state_dict(), theirs.state_dict(), f"{what}, after training")
+        trained = trained or ours
         dist.barrier()
     # sharded.checkpoint: ours saved, loaded into torch's 2-D model
     from sharded import checkpoint
 
-    optimizer = torch.optim.AdamW(ours.parameters(), lr=1e-2)
-    checkpoint.save(checkpoint.get_state_dict(ours, optimizer), f"{directory}/2d")
+    optimizer = torch.optim.AdamW(trained.parameters(), lr=1e-2)
+    checkpoint.save(checkpoint.get_state_dict(trained, optimizer), f"{directory}/2d")
     fresh = parallelize(torch_fully_shard, mesh)
     fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
     state = checkpoint.get_state_dict(fresh, fresh_optimizer)
     checkpoint.load(state, f"{directory}/2d")
     checkpoint.set_state_dict(fresh, fresh_optimizer, state)
-    _assert_same_dtensors(fresh.state_dict(), ours.state_dict(), "loaded from sharded.checkpoint")
+    _assert_same_dtensors(fresh.state_dict(), trained.state_dict(), "loaded from sharded.checkpoint")
 
 
 def test_fsdp_on_tensor_parallel_params_matches_torch(tmp_path):
