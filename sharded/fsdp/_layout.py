@@ -102,7 +102,8 @@ def _check_tensor_parallel(name: str, tp_mesh: DeviceMesh, placements: tuple[Pla
     if shared:
         raise ValueError(on_rank(
             f"fully_shard: parameter {name} is a DTensor on mesh dims {tp_mesh.mesh_dim_names}, which overlap the "
-            f"data-parallel mesh dims {dp_mesh.mesh_dim_names}; pass the data-parallel dims only (mesh['dp'])"
+            f"data-parallel mesh dims {dp_mesh.mesh_dim_names}: pass mesh=mesh['dp'] for parameters on mesh['tp'], "
+            "or, for parameters on the whole SPMD mesh, mesh=<that mesh> with dp_mesh_dims=DataParallelMeshDims(shard='dp')"
         ))
     if len(placements) > 2:
         raise NotImplementedError(on_rank(
