@@ -2,7 +2,8 @@
 tensor-parallel (``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel`` on the
 ``"tp"`` dim of a 2x2 mesh), as torchtitan composes them; and ``dp_mesh_dims``, where every
 parameter is a DTensor on the whole SPMD mesh and ``fully_shard`` is told which dims are data
-parallel (FSDP on ``("dp", "tp")``, hybrid on ``("rep", "shard")``).
+parallel (FSDP on ``("dp", "tp")``, hybrid on ``("rep", "shard")`` and on ``("node", "rep", "shard")`` with
+two replicate dims).
 
 Compared with torch's own ``fully_shard`` on the same code and data: losses, gradient norms and
 parameters bit for bit (gloo on CPU reduces deterministically, and over two data-parallel ranks
@@ -194,12 +195,15 @@ def _spmd_cases(rank, world):
     tp_plan = {"0.weight": Shard(0), "0.bias": Shard(0), "2.weight": Shard(1)}  # column-, row-parallel
     dp_tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     hybrid = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard"))
+    two_replicate_dims = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("node", "rep", "shard"))
     for what, mesh, dims, plan, batch in (
         ("FSDP + TP on an SPMD mesh", dp_tp, DataParallelMeshDims(shard="dp"),
          lambda n: [Replicate(), tp_plan.get(n, Replicate())],
          [Shard(0), Replicate()]),
         ("HSDP on an SPMD mesh", hybrid, DataParallelMeshDims(shard="shard", replicate="rep"),
          lambda n: [Replicate(), Replicate()], [Shard(0), Shard(0)]),
+        ("HSDP over two replicate dims (flattened)", two_replicate_dims, DataParallelMeshDims(shard="shard", replicate=("node", "rep")),
+         lambda n: [Replicate()] * 3, [Shard(0), Replicate(), Shard(0)]),
     ):
         theirs, ours = spmd_model(mesh, plan), spmd_model(mesh, plan)
         torch_fully_shard(theirs, mesh=mesh, dp_mesh_dims=dims)

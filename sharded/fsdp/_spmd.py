@@ -9,9 +9,9 @@ it computes as the original DTensor. Gradients keep whatever placement autograd 
 the data-parallel dims (a ``Partial`` sum is what the reduce-scatter and the all-reduce across
 replicas reduce) and are brought to the parameter's own placements on the others, as torch does.
 
-sharded supports one ``shard`` dim name and at most one ``replicate`` name; torch also flattens
-several names into one dim, and runs replicate-only (DDP) units: those raise
-``NotImplementedError`` here.
+Several ``replicate`` names are flattened into one replica group, as torch does. sharded supports
+exactly one ``shard`` name: several (torch flattens them too, and places the parameters on a
+mesh built from the flattened dim) and replicate-only (DDP) units raise ``NotImplementedError``.
 """
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ class SpmdDims:
 
     mesh: DeviceMesh
     shard: int  # the dim parameters are sharded on
-    replicate: Optional[int]  # the dim gradients are all-reduced over (hybrid), if any
+    replicate: tuple[int, ...]  # the dims gradients are all-reduced over (hybrid), if any
 
     @property
     def data_parallel(self) -> frozenset[int]:
-        return frozenset(d for d in (self.shard, self.replicate) if d is not None)
+        return frozenset((self.shard, *self.replicate))
 
 
 def resolve_spmd_mesh(mesh: Optional[DeviceMesh], dp_mesh_dims: Any) -> MeshInfo:
@@ -54,19 +54,18 @@ def resolve_spmd_mesh(mesh: Optional[DeviceMesh], dp_mesh_dims: Any) -> MeshInfo
     for name in shard_names + replicate_names:
         if name not in names:
             raise ValueError(on_rank(f"fully_shard(dp_mesh_dims=...): mesh dim name '{name}' not found in mesh.mesh_dim_names {names}"))
-    if len(shard_names) != 1 or len(replicate_names) > 1:
+    if len(shard_names) != 1:
         raise NotImplementedError(on_rank(
             f"fully_shard(dp_mesh_dims=DataParallelMeshDims(shard={dp_mesh_dims.shard!r}, replicate="
-            f"{dp_mesh_dims.replicate!r})): sharded supports exactly one shard dim name and at most one "
-            "replicate name (torch's flattening of several names, and replicate-only units, are not implemented)"
+            f"{dp_mesh_dims.replicate!r})): sharded supports exactly one shard dim name (torch's flattening of "
+            "several shard names, and replicate-only units, are not implemented)"
         ))
-    shard = names.index(shard_names[0])
-    replicate = names.index(replicate_names[0]) if replicate_names else None
-    if replicate is None:
-        dp_mesh = mesh[shard_names[0]]
-    else:
-        dp_mesh = DeviceMesh._concatenate([mesh[replicate_names[0]], mesh[shard_names[0]]])
-    return MeshInfo(dp_mesh, spmd=SpmdDims(mesh, shard, replicate))
+    dp_mesh = mesh[shard_names[0]]
+    if replicate_names:
+        replicas = mesh[replicate_names[0]] if len(replicate_names) == 1 else mesh[replicate_names]._flatten("_".join(replicate_names))
+        dp_mesh = DeviceMesh._concatenate([replicas, dp_mesh])
+    dims = SpmdDims(mesh, names.index(shard_names[0]), tuple(names.index(n) for n in replicate_names))
+    return MeshInfo(dp_mesh, spmd=dims)
 
 
 def _names(dp_mesh_dims: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:

@@ -93,8 +93,8 @@ def fully_shard(
         ignored_params: parameters to leave alone: not sharded, not gathered, not reduced.
         dp_mesh_dims: a ``torch.distributed.fsdp.DataParallelMeshDims``: ``mesh`` is then the
             whole SPMD mesh, every parameter a DTensor on it, ``Replicate()`` on the data-parallel
-            dims; sharded on the ``shard`` dim (and all-reduced over the ``replicate`` dim). One
-            name per field; several (torch flattens them), or ``replicate`` alone, raise
+            dims; sharded on the ``shard`` dim (and all-reduced over the ``replicate`` dims). One
+            ``shard`` name; several (torch flattens them), or ``replicate`` alone, raise
             ``NotImplementedError``.
     """
     modules = _modules_of(module)
