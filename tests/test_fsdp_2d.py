@@ -3,7 +3,7 @@ tensor-parallel (``parallelize_module`` with ``ColwiseParallel`` / ``RowwisePara
 ``"tp"`` dim of a 2x2 mesh), as torchtitan composes them; and ``dp_mesh_dims``, where every
 parameter is a DTensor on the whole SPMD mesh and ``fully_shard`` is told which dims are data
 parallel (FSDP on ``("dp", "tp")``, hybrid on ``("rep", "shard")`` and on ``("node", "rep", "shard")`` with
-two replicate dims).
+two replicate dims; FSDP over the flattened ``("dp", "cp")`` dims of a ``("dp", "cp", "tp")`` mesh).
 
 Compared with torch's own ``fully_shard`` on the same code and data: losses, gradient norms and
 parameters bit for bit (gloo on CPU reduces deterministically, and over two data-parallel ranks
@@ -196,6 +196,7 @@ def _spmd_cases(rank, world):
     dp_tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     hybrid = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard"))
     two_replicate_dims = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("node", "rep", "shard"))
+    two_shard_dims = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp", "cp", "tp"))
     for what, mesh, dims, plan, batch in (
         ("FSDP + TP on an SPMD mesh", dp_tp, DataParallelMeshDims(shard="dp"),
          lambda n: [Replicate(), tp_plan.get(n, Replicate())],
@@ -204,6 +205,8 @@ def _spmd_cases(rank, world):
          lambda n: [Replicate(), Replicate()], [Shard(0), Shard(0)]),
         ("HSDP over two replicate dims (flattened)", two_replicate_dims, DataParallelMeshDims(shard="shard", replicate=("node", "rep")),
          lambda n: [Replicate()] * 3, [Shard(0), Replicate(), Shard(0)]),
+        ("FSDP over two shard dims (flattened) + TP", two_shard_dims, DataParallelMeshDims(shard=("dp", "cp")),
+         lambda n: [Replicate(), Replicate(), tp_plan.get(n, Replicate())], [Shard(0), Replicate(), Replicate()]),
     ):
         theirs, ours = spmd_model(mesh, plan), spmd_model(mesh, plan)
         torch_fully_shard(theirs, mesh=mesh, dp_mesh_dims=dims)
@@ -238,7 +241,7 @@ def _refusals(rank, mesh):
         (lambda: fully_shard(nn.Linear(4, 4), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp")), ValueError, "plain tensor for parameter weight"),
         (lambda: fully_shard(spmd_model(mesh, lambda n: [Shard(0), Replicate()]), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp")), ValueError, "Replicate"),
         (lambda: fully_shard(spmd_model(mesh, replicated), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="sp")), ValueError, "'sp' not found"),
-        (lambda: fully_shard(spmd_model(mesh, replicated), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard=("dp", "tp"))), NotImplementedError, "one shard dim"),
+        (lambda: fully_shard(spmd_model(mesh, replicated), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard=("tp", "dp"))), NotImplementedError, "consecutive"),
         (lambda: fully_shard(spmd_model(mesh, replicated), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(replicate="dp")), NotImplementedError, "replicate-only"),
         (lambda: fully_shard(spmd_model(mesh, replicated), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"), reshard_after_forward=2), NotImplementedError, "reshard_after_forward as int"),
         (lambda: fully_shard(nn.Linear(4, 4), dp_mesh_dims=object()), TypeError, "DataParallelMeshDims"),

@@ -9,9 +9,9 @@ it computes as the original DTensor. Gradients keep whatever placement autograd 
 the data-parallel dims (a ``Partial`` sum is what the reduce-scatter and the all-reduce across
 replicas reduce) and are brought to the parameter's own placements on the others, as torch does.
 
-Several ``replicate`` names are flattened into one replica group, as torch does. sharded supports
-exactly one ``shard`` name: several (torch flattens them too, and places the parameters on a
-mesh built from the flattened dim) and replicate-only (DDP) units raise ``NotImplementedError``.
+Several names in a field are flattened into one dim, as torch does (several ``shard`` names must be
+consecutive dims; the sharded parameters then live on the mesh with those dims replaced by the
+flattened one, as torch places them). Replicate-only (DDP) units raise ``NotImplementedError``.
 """
 
 from __future__ import annotations
@@ -36,12 +36,15 @@ class SpmdDims:
     """Where the data-parallel dims are in the SPMD mesh the parameters live on."""
 
     mesh: DeviceMesh
-    shard: int  # the dim parameters are sharded on
+    shard: tuple[int, ...]  # the dims parameters are sharded over (consecutive; flattened if several)
     replicate: tuple[int, ...]  # the dims gradients are all-reduced over (hybrid), if any
+    sharded_mesh: DeviceMesh  # where sharded parameters live: ``mesh``, or with the shard dims flattened
+    sharded_dims: tuple[Optional[int], ...]  # per dim of it, the dim of ``mesh`` whose placement it takes
+                                              # (None: Replicate(), the flattened replicas)
 
     @property
     def data_parallel(self) -> frozenset[int]:
-        return frozenset((self.shard, *self.replicate))
+        return frozenset((*self.shard, *self.replicate))
 
 
 def resolve_spmd_mesh(mesh: Optional[DeviceMesh], dp_mesh_dims: Any) -> MeshInfo:
@@ -54,18 +57,46 @@ def resolve_spmd_mesh(mesh: Optional[DeviceMesh], dp_mesh_dims: Any) -> MeshInfo
     for name in shard_names + replicate_names:
         if name not in names:
             raise ValueError(on_rank(f"fully_shard(dp_mesh_dims=...): mesh dim name '{name}' not found in mesh.mesh_dim_names {names}"))
-    if len(shard_names) != 1:
+    shard = tuple(names.index(n) for n in shard_names)
+    if not shard or list(shard) != list(range(shard[0], shard[0] + len(shard))):
         raise NotImplementedError(on_rank(
             f"fully_shard(dp_mesh_dims=DataParallelMeshDims(shard={dp_mesh_dims.shard!r}, replicate="
-            f"{dp_mesh_dims.replicate!r})): sharded supports exactly one shard dim name (torch's flattening of "
-            "several shard names, and replicate-only units, are not implemented)"
+            f"{dp_mesh_dims.replicate!r})): sharded needs one shard dim name, or several consecutive ones "
+            "(replicate-only units are not implemented)"
         ))
-    dp_mesh = mesh[shard_names[0]]
+    dp_mesh = _flattened(mesh, shard_names)
     if replicate_names:
-        replicas = mesh[replicate_names[0]] if len(replicate_names) == 1 else mesh[replicate_names]._flatten("_".join(replicate_names))
-        dp_mesh = DeviceMesh._concatenate([replicas, dp_mesh])
-    dims = SpmdDims(mesh, names.index(shard_names[0]), tuple(names.index(n) for n in replicate_names))
-    return MeshInfo(dp_mesh, spmd=dims)
+        dp_mesh = DeviceMesh._concatenate([_flattened(mesh, replicate_names), dp_mesh])
+    replicate = tuple(names.index(n) for n in replicate_names)
+    sharded_mesh, sharded_dims = _sharded_mesh(mesh, shard, replicate, dp_mesh)
+    return MeshInfo(dp_mesh, spmd=SpmdDims(mesh, shard, replicate, sharded_mesh, sharded_dims))
+
+
+def _flattened(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
+    """``mesh[names]`` as one dim (a new process group when there are several), as torch does."""
+    return mesh[names[0]] if len(names) == 1 else mesh[names]._flatten("_".join(names))
+
+
+def _sharded_mesh(
+    mesh: DeviceMesh, shard: tuple[int, ...], replicate: tuple[int, ...], dp_mesh: DeviceMesh
+) -> tuple[DeviceMesh, tuple[Optional[int], ...]]:
+    """Where sharded parameters live. One shard dim: ``mesh`` itself. Several: ``mesh`` with
+    them replaced by the flattened data-parallel mesh (for hybrid sharding the replicas too, as
+    its first dim), so a parameter has one placement for its data-parallel shards (torch's
+    layout)."""
+    if len(shard) == 1:
+        return mesh, tuple(range(mesh.ndim))
+    names = mesh.mesh_dim_names or ()
+    parts: list[DeviceMesh] = []
+    dims: list[Optional[int]] = []
+    for i in range(mesh.ndim):
+        if i == shard[0]:
+            parts.append(dp_mesh)
+            dims.extend(([None] if replicate else []) + [i])
+        elif i not in shard and not (replicate and i in replicate):
+            parts.append(mesh[names[i]])
+            dims.append(i)
+    return DeviceMesh._concatenate(parts), tuple(dims)
 
 
 def _names(dp_mesh_dims: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -107,10 +138,10 @@ def spmd_layout(param: Any, name: str, dims: SpmdDims) -> DTensorLayout:
             "parameters placed with Shard(d) or Replicate() only"
         ))
     sharded = list(placements)
-    sharded[dims.shard] = _shard_placement(param, placements, dims)
+    sharded[dims.shard[0]] = _shard_placement(param, placements, dims)
     return DTensorLayout(
-        dims.mesh,
-        tuple(sharded),
+        dims.sharded_mesh,
+        tuple(Replicate() if d is None else sharded[d] for d in dims.sharded_dims),
         param.shape,
         contiguous_stride(param.shape),
         dims.mesh,
@@ -128,6 +159,6 @@ def _shard_placement(param: DTensor, placements: tuple[Placement, ...], dims: Sp
     their pieces, not the whole); a 0-dim parameter stays replicated."""
     if param.dim() == 0:
         return Replicate()
-    later = range(dims.shard + 1, dims.mesh.ndim)
+    later = range(dims.shard[-1] + 1, dims.mesh.ndim)
     split = math.prod([dims.mesh.size(j) for j in later if _cuts_dim0(placements[j])])
     return _StridedShard(0, split_factor=split) if split > 1 else Shard(0)

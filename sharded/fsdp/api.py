@@ -93,9 +93,9 @@ def fully_shard(
         ignored_params: parameters to leave alone: not sharded, not gathered, not reduced.
         dp_mesh_dims: a ``torch.distributed.fsdp.DataParallelMeshDims``: ``mesh`` is then the
             whole SPMD mesh, every parameter a DTensor on it, ``Replicate()`` on the data-parallel
-            dims; sharded on the ``shard`` dim (and all-reduced over the ``replicate`` dims). One
-            ``shard`` name; several (torch flattens them), or ``replicate`` alone, raise
-            ``NotImplementedError``.
+            dims; sharded over the ``shard`` dim(s) (and all-reduced over the ``replicate``
+            dims); several names in a field are flattened, as in torch. ``replicate`` alone
+            raises ``NotImplementedError``.
     """
     modules = _modules_of(module)
     mp_policy, offload_policy = as_our_policies(mp_policy, offload_policy)
