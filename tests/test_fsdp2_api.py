@@ -204,7 +204,6 @@ def _members(rank, world):
 
     for call, names in (
         (lambda: fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(1)), ["shard_placement_fn", "Shard(dim=1)"]),
-        (lambda: fully_shard(nn.Linear(4, 4), dp_mesh_dims=object()), ["dp_mesh_dims"]),
         (lambda: model.set_symm_mem_for_comm(), ["set_symm_mem_for_comm"]),
         (lambda: model.set_allocate_memory_from_process_group_for_comm(True), ["set_allocate_memory_from_process_group_for_comm"]),
         (lambda: model._get_fsdp_state()._fsdp_param_groups, ["_fsdp_param_groups"]),
@@ -238,7 +237,7 @@ def _members(rank, world):
         grad = m.unused.weight.grad
         assert (grad is not None and not grad.full_tensor().any()) if flag else grad is None
 
-    # set_all_reduce_hook, custom collectives, a separate reduce-scatter group: the same numbers
+    # set_all_reduce_hook (on a stream), custom collectives, a separate reduce-scatter group: the same numbers
     seen, calls = [], []
 
     class Gather(AllGather):
@@ -266,7 +265,7 @@ def _members(rank, world):
     for block in custom.blocks:
         block.set_custom_all_gather(Gather())
         block.set_custom_reduce_scatter(Scatter())
-    custom.set_all_reduce_hook(lambda out: seen.append(out.numel()))
+    custom.set_all_reduce_hook(lambda out: seen.append(out.numel()), stream=torch.cpu.Stream())  # CPU: orders nothing
     custom.set_separate_reduce_scatter_group()
     custom.set_reduce_scatter_max_input_buffers(1)
     custom.set_post_optim_event(None)

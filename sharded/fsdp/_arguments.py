@@ -8,7 +8,7 @@ ours (same fields); ``reshard_after_forward`` may be ``None`` or an ``int`` as i
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 from torch.distributed.tensor import Shard
 
@@ -40,9 +40,10 @@ def as_our_policies(mp_policy: Any, offload_policy: Any) -> tuple[MixedPrecision
     return mp_policy, offload_policy
 
 
-def resolve_reshard_after_forward(value: Any, shard_world: int) -> Optional[bool]:
+def resolve_reshard_after_forward(value: Any, shard_world: int) -> Union[bool, int, None]:
     """``None`` / ``True`` / ``False`` as they are; an ``int`` (the world to reshard to after
-    forward) as torch reads it: the shard world is ``True``, 1 is ``False``."""
+    forward) as torch reads it: the shard world is ``True``, 1 is ``False``, and a divisor in
+    between stays an ``int`` (ZeRO++'s secondary shard, :mod:`._post_forward`)."""
     if value is None or isinstance(value, bool):
         return value
     if not isinstance(value, int):
@@ -56,10 +57,7 @@ def resolve_reshard_after_forward(value: Any, shard_world: int) -> Optional[bool
         return True
     if value == 1:
         return False
-    raise NotImplementedError(on_rank(
-        f"reshard_after_forward={value} (resharding to a smaller world of {value} after forward, ZeRO++'s "
-        f"secondary shard) is not supported by sharded; use True ({shard_world}) or False (1)"
-    ))
+    return value
 
 
 def check_placements(shard_placement_fn: Optional[Callable[[Any], Any]], taken: Sequence[tuple]) -> None:

@@ -7,7 +7,6 @@ from typing import Iterator
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from .._errors import on_rank
 from ._registry import replaced_as, unit_owning
@@ -67,11 +66,6 @@ def _check_can_take(param: nn.Parameter, name: str, where: str) -> None:
             f"fully_shard({where}): parameter {name} is already sharded by {owner.module_name}'s fully_shard, "
             "which must have been applied to a module containing this one. Apply fully_shard bottom-up: "
             "submodules first, then their parents, the root last"
-        ))
-    if isinstance(param, DTensor):
-        raise NotImplementedError(on_rank(
-            f"fully_shard({where}): parameter {name} is already a DTensor; 2-D FSDP + tensor parallelism "
-            "(sharding DTensor parameters on a data-parallel mesh dim) is not supported by sharded"
         ))
     if hasattr(param, "fsdp_pre_all_gather"):
         raise NotImplementedError(on_rank(

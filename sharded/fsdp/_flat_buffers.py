@@ -152,7 +152,7 @@ class UnitStorage:
             self._copy_out_blocks = [writer[s : s + self.world * w].view(self.world, w) for s, w in zip(starts, self.widths)]
         for sp, start in zip(self.params, starts):
             full = flat[start : start + sp.geometry.numel].view(sp.geometry.shape)
-            sp.unsharded = nn.Parameter(full, requires_grad=sp.requires_grad)
+            sp.unsharded = nn.Parameter(sp.computes_as(full), requires_grad=sp.requires_grad)
         self._unsharded_flat = flat
         self.free_unsharded()
 

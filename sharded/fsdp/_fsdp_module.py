@@ -246,14 +246,16 @@ class FSDPModule(TorchFSDPModule):
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Optional[Any] = None) -> None:
         """Call ``hook(reduced)`` on this unit's reduced gradient shard (after the all-reduce
-        across replicas with hybrid sharding, else after the reduce-scatter), before it lands."""
+        across replicas with hybrid sharding, else after the reduce-scatter), before it lands.
+
+        ``stream`` (not with hybrid sharding, whose all-reduce has its own): run the hook on it,
+        ordered after the reduction and before the gradient lands. On the CPU a stream orders
+        nothing (``torch.cpu.Stream``), so the hook simply runs there, as in torch."""
         unit = self._fsdp_unit()
-        if stream is not None:
-            if unit.mesh_info.replicate_group is not None:
-                raise ValueError(on_rank("stream cannot be set when using native HSDP"))
-            raise _unsupported("set_all_reduce_hook(stream=...)", "the hook runs on sharded's own "
-                               "reduce-scatter stream, after the reduction it follows")
+        if stream is not None and unit.mesh_info.replicate_group is not None:
+            raise ValueError(on_rank("stream cannot be set when using native HSDP"))
         unit.all_reduce_hook = hook
+        unit.all_reduce_hook_stream = stream
 
     def set_custom_all_gather(self, comm: Any) -> None:
         """Gather this unit's parameters with ``comm`` (a ``torch.distributed.fsdp.AllGather``:

@@ -36,6 +36,7 @@ def summon_full_params(
     busy = [u for u in units if u.training_state is not TrainingState.IDLE]
     if busy:
         raise RuntimeError(f"summon_full_params inside forward or backward ({busy[0]} is {busy[0].training_state.name})")
+    _check_no_tensor_parallel(units)
     for unit in units:
         unit.reshard()
     device = torch.device("cpu") if offload_to_cpu else None
@@ -51,6 +52,16 @@ def summon_full_params(
     finally:
         for unit, _ in fulls:
             _restore_shards(unit, writeback)
+
+
+def _check_no_tensor_parallel(units: list[Unit]) -> None:
+    tensor_parallel = [sp.fqn for unit in units for sp in unit.params if sp.layout is not None]
+    if tensor_parallel:
+        raise NotImplementedError(on_rank(
+            f"summon_full_params: parameter {tensor_parallel[0]} is tensor-parallel (a DTensor before fully_shard); "
+            "sharded gathers it over the data-parallel ranks only. Use p.full_tensor(), or "
+            "torch.distributed.checkpoint.state_dict.get_model_state_dict(full_state_dict=True)"
+        ))
 
 
 def _restore_shards(unit: Unit, writeback: bool) -> None:

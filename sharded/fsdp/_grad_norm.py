@@ -4,16 +4,18 @@ the one implementation in :mod:`sharded._norm`).
 Each rank holds a shard of most gradients, so the norm is a sum over ranks: every rank adds up
 ``|g|^p`` over its local shards, one all-reduce per shard group adds the ranks' sums, and
 replicated gradients (0-dim parameters, ignored or unsharded ones), which every rank holds
-whole, are added once, locally. The result equals ``clip_grad_norm_`` on the unsharded model.
+whole, are added once, locally. A gradient sharded on several mesh dims (2-D FSDP + tensor
+parallelism) is summed over each of them in turn. The result equals ``clip_grad_norm_`` on the unsharded model.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Union
+from typing import Iterable, Union
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from .. import _comm
 from .._norm import all_reduce_term, norm_term, scale_by_norm_, total_norm
@@ -25,19 +27,21 @@ def global_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0)
     """Collective: the ``norm_type``-norm of all gradients of ``parameters`` over every rank
     (a 0-dim fp32 tensor, the same on every rank)."""
     norm_type = float(norm_type)
-    by_group: dict[dist.ProcessGroup, list[torch.Tensor]] = {}
+    by_groups: dict[tuple[dist.ProcessGroup, ...], list[torch.Tensor]] = {}
     whole: list[torch.Tensor] = []
     for p in parameters:
         if p.grad is None:
             continue
-        group, local = _where(p.grad)
-        (whole if group is None else by_group.setdefault(group, [])).append(local)
-    first = next(iter(whole or [t for ts in by_group.values() for t in ts]), None)
+        groups, local = _where(p.grad)
+        (by_groups.setdefault(groups, []) if groups else whole).append(local)
+    first = next(iter(whole or [t for ts in by_groups.values() for t in ts]), None)
     device = first.device if first is not None else torch.device("cpu")
     terms = [norm_term(whole, norm_type, device)]
-    for group, locals_ in by_group.items():
-        term = norm_term(locals_, norm_type, _comm.comm_device(group))
-        terms.append(all_reduce_term(term, group, norm_type).to(device))
+    for groups, locals_ in by_groups.items():
+        term = norm_term(locals_, norm_type, _comm.comm_device(groups[0]))
+        for group in groups:
+            term = all_reduce_term(term, group, norm_type)
+        terms.append(term.to(device))
     return total_norm(terms, norm_type)
 
 
@@ -57,11 +61,11 @@ def clip_grad_norm_(
     return total
 
 
-def _where(grad: torch.Tensor) -> tuple[Optional[dist.ProcessGroup], torch.Tensor]:
-    """(the group whose ranks hold disjoint shards of ``grad``, or None if each rank holds it
-    whole; this rank's part)."""
+def _where(grad: torch.Tensor) -> tuple[tuple[dist.ProcessGroup, ...], torch.Tensor]:
+    """(the groups of the mesh dims across which ranks hold disjoint parts of ``grad``, none if
+    each rank holds it whole; this rank's part)."""
     if not isinstance(grad, DTensor):
-        return None, grad
-    shard_dims = [dim for dim, placement in enumerate(grad.placements) if placement.is_shard()]
-    group = grad.device_mesh.get_group(shard_dims[-1]) if shard_dims else None
-    return group, grad.to_local()
+        return (), grad
+    mesh = grad.device_mesh
+    groups = tuple(mesh.get_group(dim) for dim, p in enumerate(grad.placements) if p.is_shard() or isinstance(p, _StridedShard))
+    return groups, grad.to_local()

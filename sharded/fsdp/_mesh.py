@@ -8,7 +8,7 @@ averaged across rows.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
@@ -16,6 +16,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .. import _comm
 from .._errors import on_rank
+
+if TYPE_CHECKING:
+    from ._spmd import SpmdDims
 
 __all__ = ["MeshInfo", "resolve_mesh", "hybrid_mesh", "mesh_from_groups"]
 
@@ -25,6 +28,7 @@ class MeshInfo:
     """A unit's mesh and the groups, ranks and device derived from it."""
 
     mesh: DeviceMesh
+    spmd: Optional["SpmdDims"] = None  # fully_shard(dp_mesh_dims=...): the SPMD mesh around ``mesh``
 
     @property
     def shard_group(self) -> dist.ProcessGroup:

@@ -19,6 +19,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
+from ._layout import DTensorLayout
+
 __all__ = ["ShardGeometry", "ShardedParam"]
 
 
@@ -92,6 +94,7 @@ class ShardedParam:
         geometry: ShardGeometry,
         mesh: DeviceMesh,
         shard_rank: int,
+        layout: Optional[DTensorLayout] = None,
     ) -> None:
         self.fqn = fqn
         self.registered_as = list(registered_as)  # (module, attribute name) pairs
@@ -99,6 +102,7 @@ class ShardedParam:
         self.shard_rank = shard_rank
         self._mesh = mesh
         self._placements = placements_for(geometry, mesh)
+        self.layout = layout  # a tensor-parallel parameter's DTensors (None: plain, the above)
         self._sharded: Optional[nn.Parameter] = None  # set by the first attach_shard
         self.unsharded: Optional[nn.Parameter] = None  # set by the unit's storage before a gather
         # the gradient summed locally while gradient sync is off (no_sync), in the reduce dtype
@@ -135,6 +139,8 @@ class ShardedParam:
 
     def as_dtensor(self, local: torch.Tensor) -> DTensor:
         """``local`` (this rank's rows) as a DTensor of the parameter's global shape."""
+        if self.layout is not None:
+            return self.layout.sharded(local)
         g = self.geometry
         return DTensor.from_local(
             local, self._mesh, self._placements, run_check=False, shape=g.shape, stride=g.stride()
@@ -161,6 +167,11 @@ class ShardedParam:
             return cast(DTensor, self.sharded).to_local()
 
     # ---------------------------------------------------------------- what modules hold
+
+    def computes_as(self, full: torch.Tensor) -> torch.Tensor:
+        """``full`` (a view of the gathered buffer) as the module computes with it: itself, or
+        for a tensor-parallel parameter, its DTensor on the TP mesh."""
+        return full if self.layout is None else self.layout.unsharded(full)
 
     def show(self, tensor: nn.Parameter) -> None:
         """Register ``tensor`` under every name this parameter has."""
@@ -192,6 +203,8 @@ class ShardedParam:
         grad = self.unsharded.grad if self.unsharded is not None else None
         if self.unsharded is not None:
             self.unsharded.grad = None
+        if grad is not None and self.layout is not None:
+            grad = self.layout.local_grad(grad)
         total, self.unsynced_grad = self.unsynced_grad, None
         if grad is None:
             return total

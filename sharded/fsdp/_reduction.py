@@ -11,8 +11,9 @@ backward).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -41,8 +42,25 @@ class ReduceSettings:
     carried: Optional[torch.Tensor] = None  # scattered sums kept from earlier backwards
     keep_partial: Optional[Callable[[torch.Tensor], None]] = None  # takes the output when deferring
     hook: Optional[Callable[[torch.Tensor], None]] = None  # ``set_all_reduce_hook``
+    hook_stream: Optional[tuple[Any, torch.device]] = None  # its ``stream=``, on the unit's device
     land_unused: bool = False  # ``set_reduce_scatter_unused_params``: zeros, not None
     comm: Optional[Any] = None  # a user's ``ReduceScatter`` (``set_custom_reduce_scatter``)
+
+
+@contextlib.contextmanager
+def _on_stream(stream_on: Optional[tuple[Any, torch.device]]) -> Iterator[None]:
+    """Run the block on a user's stream, after the work queued so far and before the work queued
+    after it (no-ops on the CPU, whose streams order nothing)."""
+    if stream_on is None:
+        yield
+        return
+    stream, device = stream_on
+    backend = torch.get_device_module(device)
+    current = backend.current_stream()
+    stream.wait_stream(current)
+    with backend.stream(stream):
+        yield
+    current.wait_stream(stream)
 
 
 class Reduction:
@@ -118,6 +136,7 @@ class Reduction:
         if self._replica_work is not None:
             self._replica_work.wait()
         if settings.hook is not None:
-            settings.hook(received)
+            with _on_stream(settings.hook_stream):
+                settings.hook(received)
         settings.plan.scale_received(received)
         return True

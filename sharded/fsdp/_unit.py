@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,7 @@ from ._flat_buffers import UnitStorage, pack_gradients
 from ._hooks import cast_floats, register_pre_backward, watch_input_gradients
 from ._mesh import MeshInfo
 from ._param import ShardedParam
+from ._secondary_shard import SecondaryShard
 from ._reduce_ops import division_plan
 from ._reduction import GradientShards, ReduceSettings, Reduction
 from ._streams import CommStreams
@@ -57,7 +58,7 @@ class UnitConfig:
 
     mp_policy: MixedPrecisionPolicy
     offload_policy: Optional[OffloadPolicy]
-    reshard_after_forward: Optional[bool]  # None: True, except for the root
+    reshard_after_forward: Union[bool, int, None]  # None: True, except for the root; int: hpZ's world
 
     @property
     def offloads(self) -> bool:
@@ -141,6 +142,8 @@ class Unit:
         self.training_state = TrainingState.IDLE
         self.root: Optional[Root] = None  # the Root of the model this unit runs in, set at the first forward
         self.reshard_after_forward = config.reshard_after_forward
+        self.secondary_shard: Optional[SecondaryShard] = None  # reshard_after_forward=k: the group of k
+        self._post_forward_piece: Optional[torch.Tensor] = None  # kept after forward for the backward gather
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
         self.requires_all_reduce = True
@@ -150,6 +153,7 @@ class Unit:
         self.reduce_scatter_unused_params = False
         self.max_reductions_in_flight: Optional[int] = None
         self.all_reduce_hook: Optional[Any] = None
+        self.all_reduce_hook_stream: Optional[Any] = None
         self.custom_all_gather: Optional[Any] = None
         self.custom_reduce_scatter: Optional[Any] = None
         self.reduce_scatter_group: Optional[dist.ProcessGroup] = None
@@ -204,16 +208,16 @@ class Unit:
     def _start_gather(self) -> None:
         self.storage.ensure_shards_current(where=repr(self))
         self.storage.prepare_unsharded()
+        piece, self._post_forward_piece = self._post_forward_piece, None
         if not self.storage.aliases_shards and self.storage.shard_numel:
             self.streams.all_gather_after_compute()  # e.g. the optimizer step wrote the shards
+            source, group, world = self.storage.sharded_flat, self.mesh_info.shard_group, self.mesh_info.shard_world
+            in_backward = self.root is not None and self.root.in_backward
+            if piece is not None and self.secondary_shard is not None and in_backward:  # after an hpZ forward
+                source, group, world = piece, self.secondary_shard.group, self.secondary_shard.world
             with self.streams.on_all_gather(), record_function(self.labels.all_gather):
                 self._gather = start_all_gather(
-                    self.storage.sharded_flat,
-                    self.storage.unsharded_dtype,
-                    self.device,
-                    self.mesh_info.shard_group,
-                    self.mesh_info.shard_world,
-                    self.custom_all_gather,
+                    source, self.storage.unsharded_dtype, self.device, group, world, self.custom_all_gather
                 )
         self.shard_state = ShardState.GATHERING
 
@@ -224,6 +228,7 @@ class Unit:
         if self._gather is not None:
             with self.streams.on_all_gather():
                 gathered = self._gather.wait()
+                self._keep_post_forward_piece(gathered)
                 self.storage.allocate_unsharded()
                 self.storage.copy_out(gathered)
                 ready = self.streams.record()
@@ -232,6 +237,12 @@ class Unit:
         for sp in self.params:
             sp.show_unsharded()
         self.shard_state = ShardState.UNSHARDED
+
+    def _keep_post_forward_piece(self, gathered: torch.Tensor) -> None:
+        """``reshard_after_forward=k``: keep this rank's piece of a forward's gather for backward."""
+        hpz = isinstance(self.reshard_after_forward, int) and not isinstance(self.reshard_after_forward, bool)
+        if hpz and self.secondary_shard is not None and self.training_state is TrainingState.FORWARD and torch.is_grad_enabled():
+            self._post_forward_piece = self.secondary_shard.rows(gathered, self.mesh_info.shard_world)
 
     def reshard(self) -> None:
         """Show the sharded parameters again and free the gathered ones."""
@@ -377,6 +388,7 @@ class Unit:
             carried=carried,
             keep_partial=self._keep_partial,
             hook=self.all_reduce_hook,
+            hook_stream=(self.all_reduce_hook_stream, self.device) if self.all_reduce_hook_stream is not None else None,
             land_unused=self.reduce_scatter_unused_params,
             comm=self.custom_reduce_scatter,
         )
@@ -396,6 +408,7 @@ class Unit:
             if sp.unsharded is not None:
                 sp.unsharded.grad = None
         self._partial_reduction = None
+        self._post_forward_piece = None
         self._modules_to_run = set()
         self.training_state = TrainingState.IDLE
         self.awaiting_backward = False
@@ -410,6 +423,7 @@ class Unit:
             self.reshard()
         else:
             self.wait_for_unshard()
+        self._post_forward_piece = None
         self.training_state = TrainingState.IDLE
         self.awaiting_backward = False
         self._open_forward_calls = 0

@@ -4,7 +4,8 @@ This file validates arguments and wires things up; the mechanism is in the priva
 (``_param``: one parameter's sharded and unsharded forms; ``_flat_buffers``: a unit's flat
 buffers, and its gradients' packing; ``_collectives``: all-gather and reduce-scatter, moving
 bytes only; ``_reduction``: a gradient reduction in flight; ``_unit``: a unit's lifecycle;
-``_root``: the model-wide forward/backward duties).
+``_root``: the model-wide forward/backward duties; ``_layout`` / ``_spmd``: DTensor parameters
+(tensor parallelism, ``dp_mesh_dims``); ``_secondary_shard``: ``reshard_after_forward=k``).
 """
 
 from __future__ import annotations
@@ -22,8 +23,11 @@ from ._collect import check_not_sharded, collect_unit_params
 from .._errors import on_rank
 from ._fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method, run_pre_forward
 from ._hooks import install_forward_hooks
-from ._mesh import resolve_mesh
+from ._layout import layout_for, local_tensor_of
+from ._mesh import MeshInfo, resolve_mesh
 from ._param import ShardedParam, ShardGeometry
+from ._spmd import resolve_spmd_mesh, spmd_layout
+from ._secondary_shard import secondary_shard_for
 from ._registry import install_optimizer_guard, register_sharded, retire
 from ._unit import Unit, UnitConfig
 from .policies import MixedPrecisionPolicy, OffloadPolicy
@@ -69,36 +73,54 @@ def fully_shard(
             ``fully_shard`` calls come first).
         process_group: the ranks to shard over (default: all); or give ``mesh``.
         mesh: a 1-D ``DeviceMesh`` to shard over, or a 2-D ``(replicate, shard)`` mesh for
-            hybrid sharding: shard within a row, average gradients across rows.
+            hybrid sharding: shard within a row, average gradients across rows. Parameters that
+            are DTensors already (tensor parallelism on another dim of the same mesh, e.g.
+            ``parallelize_module`` on ``mesh["tp"]`` and ``mesh=mesh["dp"]`` here) have their
+            local tensors sharded over this mesh: at rest they are DTensors on both meshes, as
+            with torch (2-D FSDP + TP).
         reshard_after_forward: free the gathered parameters after forward (``True``: ZeRO-3) or
             keep them until backward (``False``: less communication, more memory, like ZeRO-2);
             ``None`` (default): ``True``, except for the root. An ``int`` is the world to reshard
-            to after forward: the shard world means ``True``, ``1`` means ``False``; anything
-            between (ZeRO++'s secondary shard) raises ``NotImplementedError``.
+            to after forward: the shard world means ``True``, ``1`` means ``False``, a divisor
+            ``k`` between (ZeRO++'s secondary shard) keeps ``1/k`` of the gathered parameters
+            after forward and all-gathers within groups of ``k`` ranks in backward (not for
+            DTensor parameters: ``NotImplementedError``, as in torch).
         shard_placement_fn: ``param -> None | Shard(0)``; another placement raises
             ``NotImplementedError``.
         mp_policy: mixed precision (:class:`MixedPrecisionPolicy`, ours or torch's).
         offload_policy: ``CPUOffloadPolicy`` (ours or torch's) to keep shards, gradients and the
             optimizer step on the CPU; ``None`` or ``OffloadPolicy()``: no offloading.
         ignored_params: parameters to leave alone: not sharded, not gathered, not reduced.
-        dp_mesh_dims: torch's N-D SPMD mesh option; not supported (``NotImplementedError``).
+        dp_mesh_dims: a ``torch.distributed.fsdp.DataParallelMeshDims``: ``mesh`` is then the
+            whole SPMD mesh, every parameter a DTensor on it, ``Replicate()`` on the data-parallel
+            dims; sharded over the ``shard`` dim(s) (and all-reduced over the ``replicate``
+            dims); several names in a field are flattened, as in torch. ``replicate`` alone
+            raises ``NotImplementedError``.
     """
     modules = _modules_of(module)
-    if dp_mesh_dims is not None:
-        raise NotImplementedError(on_rank("fully_shard(dp_mesh_dims=...): N-D SPMD meshes are not supported by sharded; pass a 1-D or 2-D data-parallel mesh"))
     mp_policy, offload_policy = as_our_policies(mp_policy, offload_policy)
-    info = resolve_mesh(process_group, mesh)
+    info = resolve_mesh(process_group, mesh) if dp_mesh_dims is None else _spmd_mesh(process_group, mesh, dp_mesh_dims, reshard_after_forward)
     reshard_after_forward = resolve_reshard_after_forward(reshard_after_forward, info.shard_world)
     for m in modules:
         check_not_sharded(m)
     taken = collect_unit_params(modules, _ids_of(modules, ignored_params))
     check_placements(shard_placement_fn, taken)
     params = [
-        ShardedParam(name, registered_as, ShardGeometry(param.shape, info.shard_world), info.mesh, info.shard_rank)
+        ShardedParam(
+            name,
+            registered_as,
+            ShardGeometry(local_tensor_of(param).shape, info.shard_world),
+            info.mesh,
+            info.shard_rank,
+            layout_for(param, name, info.mesh) if info.spmd is None else spmd_layout(param, name, info.spmd),
+        )
         for name, param, registered_as in taken
     ]
     unit = Unit(modules, params, info, UnitConfig(mp_policy, offload_policy, reshard_after_forward))
-    unit.storage.shard_from_full([param for _, param, _ in taken])
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        _check_plain_params(params, reshard_after_forward)
+        unit.secondary_shard = secondary_shard_for(info, reshard_after_forward)
+    unit.storage.shard_from_full([local_tensor_of(param) for _, param, _ in taken])
     for sp, (_, original, _) in zip(params, taken):
         sp.show_sharded()
         register_sharded(sp.sharded, unit)
@@ -109,6 +131,23 @@ def fully_shard(
         m.__class__ = _with_fsdp_methods(cast(type, type(m)))
     install_optimizer_guard()
     return module
+
+
+def _spmd_mesh(process_group: Any, mesh: Optional[DeviceMesh], dp_mesh_dims: Any, reshard_after_forward: Any) -> MeshInfo:
+    if process_group is not None:
+        raise ValueError(on_rank("fully_shard(dp_mesh_dims=...) takes the SPMD mesh as mesh=, not process_group="))
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError(on_rank("fully_shard: reshard_after_forward as int is not yet supported with SPMD mesh (dp_mesh_dims)"))
+    return resolve_spmd_mesh(mesh, dp_mesh_dims)
+
+
+def _check_plain_params(params: list[ShardedParam], reshard_after_forward: int) -> None:
+    tensor_parallel = [sp.fqn for sp in params if sp.layout is not None]
+    if tensor_parallel:
+        raise NotImplementedError(on_rank(
+            f"fully_shard(reshard_after_forward={reshard_after_forward}): parameter {tensor_parallel[0]} is a DTensor; "
+            "resharding to a smaller mesh is not supported for DTensor parameters (nor by torch)"
+        ))
 
 
 def _modules_of(module: Any) -> list[nn.Module]:
