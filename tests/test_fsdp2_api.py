@@ -186,7 +186,7 @@ def _members(rank, world):
     from torch.distributed.fsdp import OffloadPolicy as TorchOffload
     from torch.distributed.fsdp import register_fsdp_forward_method as torch_register
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import Replicate, Shard
 
     # torch's policy objects, the int spellings of reshard_after_forward, Shard(0) placements
     model = gpt()
@@ -203,7 +203,7 @@ def _members(rank, world):
     assert type(sequential[0:1]) is nn.Sequential, "slicing a sharded Sequential builds the plain class"
 
     for call, names in (
-        (lambda: fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(1)), ["shard_placement_fn", "Shard(dim=1)"]),
+        (lambda: fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Replicate()), ["shard_placement_fn", "Replicate()"]),
         (lambda: fully_shard(nn.Linear(4, 4), dp_mesh_dims=object()), ["dp_mesh_dims"]),
         (lambda: model.set_symm_mem_for_comm(), ["set_symm_mem_for_comm"]),
         (lambda: model.set_allocate_memory_from_process_group_for_comm(True), ["set_allocate_memory_from_process_group_for_comm"]),

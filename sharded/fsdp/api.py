@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._arguments import as_our_policies, check_placements, resolve_reshard_after_forward
+from ._arguments import as_our_policies, resolve_reshard_after_forward, shard_dims
 from ._collect import check_not_sharded, collect_unit_params
 from .._errors import on_rank
 from ._fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method, run_pre_forward
@@ -92,10 +92,10 @@ def fully_shard(
     for m in modules:
         check_not_sharded(m)
     taken = collect_unit_params(modules, _ids_of(modules, ignored_params))
-    check_placements(shard_placement_fn, taken)
+    dims = shard_dims(shard_placement_fn, taken, info.shard_world)
     params = [
-        ShardedParam(name, registered_as, ShardGeometry(param.shape, info.shard_world), info.mesh, info.shard_rank)
-        for name, param, registered_as in taken
+        ShardedParam(name, registered_as, ShardGeometry(param.shape, info.shard_world, dim), info.mesh, info.shard_rank)
+        for (name, param, registered_as), dim in zip(taken, dims)
     ]
     unit = Unit(modules, params, info, UnitConfig(mp_policy, offload_policy, reshard_after_forward))
     unit.storage.shard_from_full([param for _, param, _ in taken])
