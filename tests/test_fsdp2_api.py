@@ -163,8 +163,8 @@ def test_hybrid_sharding_defers_the_all_reduce_like_torch():
 # ------------------------------------------------------------------ single members
 
 
-def _float8_style() -> nn.Module:
-    """A layer whose weight has the all-gather extension torch's float8 training uses."""
+def _half_extension() -> nn.Module:
+    """A layer whose weight has only half of the all-gather extension (torch's float8 hooks)."""
     layer = nn.Linear(4, 4)
     layer.weight.fsdp_pre_all_gather = lambda *args: None
     return layer
@@ -208,12 +208,13 @@ def _members(rank, world):
         (lambda: model.set_symm_mem_for_comm(), ["set_symm_mem_for_comm"]),
         (lambda: model.set_allocate_memory_from_process_group_for_comm(True), ["set_allocate_memory_from_process_group_for_comm"]),
         (lambda: model._get_fsdp_state()._fsdp_param_groups, ["_fsdp_param_groups"]),
-        (lambda: fully_shard(_float8_style()), ["fsdp_pre_all_gather"]),
     ):
         with pytest.raises(NotImplementedError) as raised:
             call()
         assert all(n in str(raised.value) for n in names) and f"rank {rank}" in str(raised.value), raised.value
     model.set_allocate_memory_from_process_group_for_comm(False)
+    with pytest.raises(TypeError, match=f"rank {rank}.*weight defines fsdp_pre_all_gather but not its pair"):
+        fully_shard(_half_extension())
 
     # register_fsdp_forward_method (ours and torch's): a method other than forward gathers too
     for register in (register_fsdp_forward_method, torch_register):

@@ -73,11 +73,6 @@ def _check_can_take(param: nn.Parameter, name: str, where: str) -> None:
             f"fully_shard({where}): parameter {name} is already a DTensor; 2-D FSDP + tensor parallelism "
             "(sharding DTensor parameters on a data-parallel mesh dim) is not supported by sharded"
         ))
-    if hasattr(param, "fsdp_pre_all_gather"):
-        raise NotImplementedError(on_rank(
-            f"fully_shard({where}): parameter {name} defines fsdp_pre_all_gather (a tensor subclass such as "
-            "float8 weights); the fsdp_pre_all_gather / fsdp_post_all_gather extension is not supported by sharded"
-        ))
     replacement = replaced_as(param)
     if replacement is not None:
         raise ValueError(on_rank(

@@ -124,6 +124,8 @@ class ShardedParam:
         self._placements = placements_for(geometry, mesh)
         self._sharded: Optional[nn.Parameter] = None  # set by the first attach_shard
         self.unsharded: Optional[nn.Parameter] = None  # set by the unit's storage before a gather
+        # its local tensor defines fsdp_pre/post_all_gather: gathered through them (._extension)
+        self.gather_extension = False
         # the gradient summed locally while gradient sync is off (no_sync), in the reduce dtype
         self.unsynced_grad: Optional[torch.Tensor] = None
 
@@ -169,7 +171,12 @@ class ShardedParam:
         gave it new storage) keep the same Python object, which an optimizer may already hold,
         and carry its gradient and attributes over.
         """
-        fresh = nn.Parameter(self.as_dtensor(self.local_part(slot)), requires_grad=requires_grad)
+        self.attach_local(self.local_part(slot), requires_grad)
+
+    def attach_local(self, local: torch.Tensor, requires_grad: bool) -> None:
+        """Make ``local`` (this rank's rows) the sharded parameter's local tensor (see
+        :meth:`attach_shard`)."""
+        fresh = nn.Parameter(self.as_dtensor(local), requires_grad=requires_grad)
         if self._sharded is None:
             self._sharded = fresh
             return

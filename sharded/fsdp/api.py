@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ._arguments import as_our_policies, resolve_reshard_after_forward, shard_dims
 from ._collect import check_not_sharded, collect_unit_params
+from ._extension import has_gather_extension
 from .._errors import on_rank
 from ._fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method, run_pre_forward
 from ._hooks import install_forward_hooks
@@ -97,8 +98,10 @@ def fully_shard(
         ShardedParam(name, registered_as, ShardGeometry(param.shape, info.shard_world, dim), info.mesh, info.shard_rank)
         for (name, param, registered_as), dim in zip(taken, dims)
     ]
+    for sp, (name, param, _) in zip(params, taken):
+        sp.gather_extension = has_gather_extension(param, name)
     unit = Unit(modules, params, info, UnitConfig(mp_policy, offload_policy, reshard_after_forward))
-    unit.storage.shard_from_full([param for _, param, _ in taken])
+    unit.shard_from_full([param for _, param, _ in taken])
     for sp, (_, original, _) in zip(params, taken):
         sp.show_sharded()
         register_sharded(sp.sharded, unit)
