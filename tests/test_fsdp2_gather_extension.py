@@ -201,7 +201,17 @@ def _bytes_case(rank, world):
     assert sent[None] == rows_sent * 12 * 4, sent
     assert sent[Bf16Gathered] * 2 == sent[None], sent
     assert sent[Int8Gathered] == rows_sent * (12 * 1 + 4), sent
+    _errors(rank, world)
 
 
-def test_gather_extension_sends_fewer_bytes():
+def _errors(rank, world):
+    from torch.distributed.tensor import Shard
+
+    from sharded import fully_shard
+
+    with pytest.raises(NotImplementedError, match=f"rank {rank}.*layers.0.weight.*Shard\\(1\\)"):
+        fully_shard(Stack(Bf16Gathered, False), shard_placement_fn=lambda p: Shard(1))
+
+
+def test_gather_extension_sends_fewer_bytes_and_errors():
     run_on_ranks(_bytes_case, 2)

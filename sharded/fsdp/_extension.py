@@ -38,13 +38,19 @@ from .policies import MixedPrecisionPolicy
 __all__ = ["has_gather_extension", "shard_with_extension", "ExtensionGather"]
 
 
-def has_gather_extension(tensor: torch.Tensor, name: str) -> bool:
-    """Whether ``tensor`` defines the pair of hooks (one without the other is an error)."""
+def has_gather_extension(tensor: torch.Tensor, name: str, shard_dim: int) -> bool:
+    """Whether ``tensor`` defines the pair of hooks (one without the other is an error, and
+    so, here, is the extension on a parameter cut on another dim than 0)."""
     pre, post = hasattr(tensor, "fsdp_pre_all_gather"), hasattr(tensor, "fsdp_post_all_gather")
     if pre != post:
         raise TypeError(on_rank(
             f"fully_shard: parameter {name} defines {'fsdp_pre_all_gather' if pre else 'fsdp_post_all_gather'} "
             "but not its pair; the all-gather extension needs both"
+        ))
+    if pre and shard_dim != 0:
+        raise NotImplementedError(on_rank(
+            f"fully_shard: parameter {name} has the all-gather extension (fsdp_pre_all_gather) and "
+            f"shard_placement_fn chose Shard({shard_dim}); sharded gathers extension parameters on dim 0 only"
         ))
     return pre
 

@@ -56,7 +56,8 @@ def fully_shard(
     makes one unit over all of them (e.g. ``[model.norm, model.output]``) and returns the list.
 
     Afterwards every parameter is an ``nn.Parameter`` holding a DTensor sharded on dim 0
-    (``Shard(0)``; replicated across rows of a 2-D mesh): build the optimizer *after* this call,
+    (``Shard(0)``, or the dim ``shard_placement_fn`` chose; replicated across rows of a 2-D
+    mesh): build the optimizer *after* this call,
     and it steps each rank's shard. ``p.full_tensor()``, ``torch.distributed.checkpoint`` and
     ``torch.nn.utils.clip_grad_norm_`` (which then returns the global norm) work unchanged.
     Parameter names, and so ``state_dict()`` keys, stay the same. Buffers stay replicated.
@@ -76,13 +77,19 @@ def fully_shard(
             ``None`` (default): ``True``, except for the root. An ``int`` is the world to reshard
             to after forward: the shard world means ``True``, ``1`` means ``False``; anything
             between (ZeRO++'s secondary shard) raises ``NotImplementedError``.
-        shard_placement_fn: ``param -> None | Shard(0)``; another placement raises
-            ``NotImplementedError``.
+        shard_placement_fn: ``param -> None | Shard(dim)``: the dim to cut each parameter on
+            (``None``: 0). As in torch, a dim other than 0 must divide evenly over the shard
+            world; another placement raises ``NotImplementedError``.
         mp_policy: mixed precision (:class:`MixedPrecisionPolicy`, ours or torch's).
         offload_policy: ``CPUOffloadPolicy`` (ours or torch's) to keep shards, gradients and the
             optimizer step on the CPU; ``None`` or ``OffloadPolicy()``: no offloading.
         ignored_params: parameters to leave alone: not sharded, not gathered, not reduced.
         dp_mesh_dims: torch's N-D SPMD mesh option; not supported (``NotImplementedError``).
+
+    A parameter whose tensor defines ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` (a tensor
+    subclass such as torchao's float8 weights) is all-gathered through them, as torch calls them:
+    the pre hook gives what to send (e.g. the weight in float8 or bfloat16: fewer bytes), the post
+    hook builds the unsharded parameter from what arrived.
     """
     modules = _modules_of(module)
     if dp_mesh_dims is not None:
@@ -99,7 +106,7 @@ def fully_shard(
         for (name, param, registered_as), dim in zip(taken, dims)
     ]
     for sp, (name, param, _) in zip(params, taken):
-        sp.gather_extension = has_gather_extension(param, name)
+        sp.gather_extension = has_gather_extension(param, name, sp.geometry.dim)
     unit = Unit(modules, params, info, UnitConfig(mp_policy, offload_policy, reshard_after_forward))
     unit.shard_from_full([param for _, param, _ in taken])
     for sp, (_, original, _) in zip(params, taken):
