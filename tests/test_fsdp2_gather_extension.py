@@ -137,6 +137,7 @@ def _parity_cases(rank, world):
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     from sharded import fully_shard
+    from sharded.fsdp._full_params import summon_full_params
 
     exact = world <= 2  # at world 3 gloo's reduce-scatter adds in another order than torch's
     for subclass, bias, kwargs in (
@@ -158,6 +159,14 @@ def _parity_cases(rank, world):
             torch.testing.assert_close(losses, ref_losses, rtol=1e-4, atol=1e-6)
             for a, b in zip(params, ref_params):
                 torch.testing.assert_close(a, b, rtol=0, atol=0.1 * 1e-2 * 3)
+        # state_dict: torch's DTensors (the subclass inside); full parameters on demand
+        state, ref_state = ours.state_dict(), theirs.state_dict()
+        for key, value in state.items():
+            assert type(value.to_local()) is type(ref_state[key].to_local()), key
+            assert torch.equal(_plain(value.full_tensor()), _plain(ref_state[key].full_tensor())) or not exact, key
+        with summon_full_params(ours, writeback=False):
+            for key, value in ours.named_parameters():
+                assert torch.equal(_plain(value.detach()), _plain(ref_state[key].full_tensor())) or not exact, key
         # the gathered weights are the rounded ones: bf16 / int8 rounding, no more
         plain = _shard(Stack(None, bias), fully_shard, **kwargs)
         x, _ = _batch(rank, 7)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Sequence, cast
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -451,8 +451,10 @@ class Unit:
         self.storage.ensure_shards_current(where=repr(self))
         storage = self.storage
         info = self.mesh_info
-        with record_function(self.labels.all_gather):
-            pending = start_all_gather(storage.sharded_flat, storage.dtype, self.device, info.shard_group, info.shard_world)
-        plain = iter(storage.full_copies(pending.wait()))
+        plain: Iterator[torch.Tensor] = iter(())
+        if storage.params:
+            with record_function(self.labels.all_gather):
+                pending = start_all_gather(storage.sharded_flat, storage.dtype, self.device, info.shard_group, info.shard_world)
+            plain = iter(storage.full_copies(pending.wait()))
         fulls = [cast(DTensor, sp.sharded).full_tensor() if sp.gather_extension else next(plain) for sp in self.params]
         return [full.to(device) for full in fulls] if device is not None else fulls
