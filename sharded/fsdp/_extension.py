@@ -35,7 +35,7 @@ from ._collectives import PendingGather, start_all_gather
 from ._param import ShardedParam
 from .policies import MixedPrecisionPolicy
 
-__all__ = ["has_gather_extension", "shard_with_extension", "ExtensionGather"]
+__all__ = ["has_gather_extension", "check_no_late_hooks", "shard_with_extension", "ExtensionGather"]
 
 
 def has_gather_extension(tensor: torch.Tensor, name: str, shard_dim: int) -> bool:
@@ -53,6 +53,18 @@ def has_gather_extension(tensor: torch.Tensor, name: str, shard_dim: int) -> boo
             f"shard_placement_fn chose Shard({shard_dim}); sharded gathers extension parameters on dim 0 only"
         ))
     return pre
+
+
+def check_no_late_hooks(params: Sequence[ShardedParam]) -> None:
+    """torch also honours hooks set on a sharded parameter's local tensor after ``fully_shard``
+    (e.g. after ``to_empty``); sharded reads them at ``fully_shard`` time only, so such hooks
+    raise here (at the model's first forward) rather than being silently skipped."""
+    for sp in params:
+        if not sp.gather_extension and hasattr(cast(DTensor, sp.sharded)._local_tensor, "fsdp_pre_all_gather"):
+            raise NotImplementedError(on_rank(
+                f"parameter {sp.fqn}: fsdp_pre_all_gather was set on its local tensor after fully_shard; sharded "
+                "takes the all-gather extension only from the parameter given to fully_shard (define it on its class)"
+            ))
 
 
 def shard_with_extension(sp: ShardedParam, full: torch.Tensor) -> None:
