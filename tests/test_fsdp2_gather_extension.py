@@ -140,11 +140,14 @@ def _parity_cases(rank, world):
     from sharded.fsdp._full_params import summon_full_params
 
     exact = world <= 2  # at world 3 gloo's reduce-scatter adds in another order than torch's
-    for subclass, bias, kwargs in (
+    cases = [
         (Bf16Gathered, False, {}),
         (Bf16Gathered, True, {"reshard_after_forward": False}),
         (Bf16Gathered, True, {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}),
-    ):
+    ]
+    if world > 1:  # torch 2.13 at world 1 skips the all-gather and keeps only a hook's first input
+        cases.append((Int8Gathered, True, {}))
+    for subclass, bias, kwargs in cases:
         what = f"{subclass.__name__}, bias={bias}, {kwargs}"
         theirs, ours = (_shard(Stack(subclass, bias), shard, **kwargs) for shard in (torch_fully_shard, fully_shard))
         for a, b in zip(ours.parameters(), theirs.parameters()):
@@ -181,14 +184,6 @@ def _parity_cases(rank, world):
     outs = [_shard(Stack(Bf16Gathered, True, head=5), shard)(x) for shard in (torch_fully_shard, fully_shard)]
     assert torch.equal(outs[0], outs[1])
 
-    # int8 + scale (two inputs of different dtypes, the older hook signature): within int8's
-    # rounding of the plain model, and it trains. (torch 2.13 hands this subclass's post hook
-    # one output instead of two, so there is no torch run to compare with.)
-    x, _ = _batch(rank, 7)
-    int8 = _shard(Stack(Int8Gathered, True), fully_shard)
-    torch.testing.assert_close(int8(x), _shard(Stack(None, True), fully_shard)(x), rtol=0.05, atol=0.02)
-    losses, _ = _train(int8, rank)
-    assert losses.isfinite().all()
     if world == 2:
         _bytes_case(rank, world)
         _errors(rank)
