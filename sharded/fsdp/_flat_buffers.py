@@ -68,6 +68,7 @@ class UnitStorage:
         self._pin = pin_memory and offload_to_cpu and torch.cuda.is_available()
         self._unsharded_dtype = unsharded_dtype
         self.widths = [sp.geometry.slot_numel for sp in self.params]
+        self._cut_elsewhere = any(sp.geometry.dim != 0 for sp in self.params)  # shard_placement_fn's Shard(d)
         self.shard_numel = sum(self.widths)
         self.sharded_flat = torch.empty(0)
         self._unsharded_flat: Optional[torch.Tensor] = None
@@ -189,6 +190,8 @@ class UnitStorage:
         """Each parameter's column block of a rank-major all-gather output, shaped as its
         :func:`_rank_major` target."""
         blocks = column_blocks(gathered, self.world, self.widths)
+        if not self._cut_elsewhere:
+            return blocks
         return [b if sp.geometry.dim == 0 else b.view(self.world, *sp.geometry.slot_shape) for sp, b in zip(self.params, blocks)]
 
     def _offsets(self, scale: int) -> list[int]:

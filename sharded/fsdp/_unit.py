@@ -20,8 +20,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
-from ._extension import ExtensionGather, shard_with_extension
 from ._collectives import PendingGather, new_buffer, start_all_gather, start_reduce_scatter
+from ._extension import ExtensionGather, shard_with_extension
 from ._flat_buffers import UnitStorage, pack_gradients
 from ._hooks import cast_floats, register_pre_backward, watch_input_gradients
 from ._mesh import MeshInfo
