@@ -154,6 +154,9 @@ def _hybrid_case(rank, world):
             shard(block, mesh=mesh)
         shard(model, mesh=mesh)
     _assert_same(train(models[1], rank, hybrid=True), train(models[0], rank, hybrid=True), "HSDP, averaged", exact=True)
+    from tests.test_fsdp2_placement import hybrid_cases  # Shard(1) and the all-gather extension, same launch
+
+    hybrid_cases(rank, mesh)
 
 
 def test_hybrid_sharding_defers_the_all_reduce_like_torch():

@@ -121,3 +121,24 @@ def _bad_placements(rank):
         fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(2) if p.dim() == 2 else None)
     with pytest.raises(NotImplementedError, match=f"rank {rank}.*weight.*dim 1 does not divide evenly"):
         fully_shard(nn.Linear(5, 4), shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 else None)
+
+
+def hybrid_cases(rank, mesh):
+    """On a 2-D ``(replicate, shard)`` mesh (run inside test_fsdp2_api's world-4 launch):
+    ``Shard(1)`` parameters and the all-gather extension, bit for bit like torch."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from sharded import fully_shard
+    from tests.test_fsdp2_gather_extension import Bf16Gathered, Stack
+    from tests.test_fsdp2_gather_extension import _shard as shard_stack
+    from tests.test_fsdp2_gather_extension import _train as train_stack
+
+    placement = _dim1_where_even(mesh.size(1))
+    theirs, ours = (_sharded_gpt(shard, placement, mesh=mesh) for shard in (torch_fully_shard, fully_shard))
+    assert [p.placements for p in ours.parameters()] == [p.placements for p in theirs.parameters()]
+    reference, losses = _train(theirs, rank), _train(ours, rank)
+    _assert_same(losses, reference, _locals(ours), _locals(theirs), "HSDP, Shard(1)", exact=True)
+    (losses, params), (reference, ref_params) = (
+        train_stack(shard_stack(Stack(Bf16Gathered, True), shard, mesh=mesh), rank) for shard in (fully_shard, torch_fully_shard)
+    )
+    _assert_same(losses, reference, params, ref_params, "HSDP, the all-gather extension", exact=True)
