@@ -154,6 +154,9 @@ def _hybrid_case(rank, world):
             shard(block, mesh=mesh)
         shard(model, mesh=mesh)
     _assert_same(train(models[1], rank, hybrid=True), train(models[0], rank, hybrid=True), "HSDP, averaged", exact=True)
+    from tests.test_fsdp2_placement import hybrid_cases  # Shard(1) and the all-gather extension, same launch
+
+    hybrid_cases(rank, mesh)
 
 
 def test_hybrid_sharding_defers_the_all_reduce_like_torch():
@@ -163,8 +166,8 @@ def test_hybrid_sharding_defers_the_all_reduce_like_torch():
 # ------------------------------------------------------------------ single members
 
 
-def _float8_style() -> nn.Module:
-    """A layer whose weight has the all-gather extension torch's float8 training uses."""
+def _half_extension() -> nn.Module:
+    """A layer whose weight has only half of the all-gather extension (torch's float8 hooks)."""
     layer = nn.Linear(4, 4)
     layer.weight.fsdp_pre_all_gather = lambda *args: None
     return layer
@@ -186,7 +189,7 @@ def _members(rank, world):
     from torch.distributed.fsdp import OffloadPolicy as TorchOffload
     from torch.distributed.fsdp import register_fsdp_forward_method as torch_register
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import Replicate, Shard
 
     # torch's policy objects, the int spellings of reshard_after_forward, Shard(0) placements
     model = gpt()
@@ -203,16 +206,17 @@ def _members(rank, world):
     assert type(sequential[0:1]) is nn.Sequential, "slicing a sharded Sequential builds the plain class"
 
     for call, names in (
-        (lambda: fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(1)), ["shard_placement_fn", "Shard(dim=1)"]),
+        (lambda: fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Replicate()), ["shard_placement_fn", "Replicate()"]),
         (lambda: model.set_symm_mem_for_comm(), ["set_symm_mem_for_comm"]),
         (lambda: model.set_allocate_memory_from_process_group_for_comm(True), ["set_allocate_memory_from_process_group_for_comm"]),
         (lambda: model._get_fsdp_state()._fsdp_param_groups, ["_fsdp_param_groups"]),
-        (lambda: fully_shard(_float8_style()), ["fsdp_pre_all_gather"]),
     ):
         with pytest.raises(NotImplementedError) as raised:
             call()
         assert all(n in str(raised.value) for n in names) and f"rank {rank}" in str(raised.value), raised.value
     model.set_allocate_memory_from_process_group_for_comm(False)
+    with pytest.raises(TypeError, match=f"rank {rank}.*weight defines fsdp_pre_all_gather but not its pair"):
+        fully_shard(_half_extension())
 
     # register_fsdp_forward_method (ours and torch's): a method other than forward gathers too
     for register in (register_fsdp_forward_method, torch_register):

@@ -2,7 +2,7 @@
 
 torch's own ``MixedPrecisionPolicy`` / ``OffloadPolicy`` / ``CPUOffloadPolicy`` objects become
 ours (same fields); ``reshard_after_forward`` may be ``None`` or an ``int`` as in torch 2.13; and
-``shard_placement_fn`` is asked about every parameter. What sharded does not implement raises
+``shard_placement_fn`` is asked about every parameter (the dim to cut it on). What sharded does not implement raises
 ``NotImplementedError`` naming the argument, never a silent difference.
 """
 
@@ -15,7 +15,7 @@ from torch.distributed.tensor import Shard
 from .._errors import on_rank
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-__all__ = ["as_our_policies", "resolve_reshard_after_forward", "check_placements"]
+__all__ = ["as_our_policies", "resolve_reshard_after_forward", "shard_dims"]
 
 
 def as_our_policies(mp_policy: Any, offload_policy: Any) -> tuple[MixedPrecisionPolicy, Optional[OffloadPolicy]]:
@@ -60,15 +60,33 @@ def resolve_reshard_after_forward(value: Any, shard_world: int) -> Union[bool, i
     return value
 
 
-def check_placements(shard_placement_fn: Optional[Callable[[Any], Any]], taken: Sequence[tuple]) -> None:
-    """Every parameter must be sharded on dim 0 (``None`` or ``Shard(0)`` from the function)."""
+def shard_dims(shard_placement_fn: Optional[Callable[[Any], Any]], taken: Sequence[tuple], shard_world: int) -> list[int]:
+    """The dim each parameter is cut on: what ``shard_placement_fn`` returns for it (``None``:
+    dim 0; ``Shard(d)``, ``d`` may be negative), checked as torch checks it: a dim the parameter
+    has, and a dim other than 0 must divide evenly over the ``shard_world`` ranks."""
     if shard_placement_fn is None:
-        return
-    for name, param, _ in taken:
-        placement = shard_placement_fn(param)
-        if placement is None or (type(placement) is Shard and placement.dim in (0, -param.dim() if param.dim() else 0)):
-            continue
+        return [0] * len(taken)
+    return [_shard_dim(name, param, shard_placement_fn(param), shard_world) for name, param, _ in taken]
+
+
+def _shard_dim(name: str, param: Any, placement: Any, shard_world: int) -> int:
+    if placement is None:
+        return 0
+    if type(placement) is not Shard:
         raise NotImplementedError(on_rank(
             f"fully_shard(shard_placement_fn=...) returned {placement!r} for parameter {name}; sharded "
-            "shards every parameter on dim 0 (Shard(0)) over the mesh given to fully_shard"
+            "supports None or Shard(dim) over the mesh given to fully_shard (not a per-parameter mesh)"
         ))
+    ndim = param.dim()
+    dim = placement.dim + ndim if placement.dim < 0 else placement.dim
+    if ndim == 0 and dim == 0:
+        return 0  # a 0-dim parameter cannot be cut: replicated, as for the default
+    if not 0 <= dim < ndim:
+        raise ValueError(on_rank(f"fully_shard(shard_placement_fn=...) returned {placement!r} for parameter {name} of shape {tuple(param.shape)}, which has no dim {placement.dim}"))
+    if dim and param.shape[dim] % shard_world:
+        raise NotImplementedError(on_rank(
+            f"fully_shard(shard_placement_fn=...) returned {placement!r} for parameter {name} of shape "
+            f"{tuple(param.shape)}: dim {dim} does not divide evenly over {shard_world} ranks (like torch, "
+            "sharded cuts dims other than 0 evenly only)"
+        ))
+    return dim

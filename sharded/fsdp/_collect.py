@@ -67,11 +67,6 @@ def _check_can_take(param: nn.Parameter, name: str, where: str) -> None:
             "which must have been applied to a module containing this one. Apply fully_shard bottom-up: "
             "submodules first, then their parents, the root last"
         ))
-    if hasattr(param, "fsdp_pre_all_gather"):
-        raise NotImplementedError(on_rank(
-            f"fully_shard({where}): parameter {name} defines fsdp_pre_all_gather (a tensor subclass such as "
-            "float8 weights); the fsdp_pre_all_gather / fsdp_post_all_gather extension is not supported by sharded"
-        ))
     replacement = replaced_as(param)
     if replacement is not None:
         raise ValueError(on_rank(

@@ -68,6 +68,7 @@ class UnitStorage:
         self._pin = pin_memory and offload_to_cpu and torch.cuda.is_available()
         self._unsharded_dtype = unsharded_dtype
         self.widths = [sp.geometry.slot_numel for sp in self.params]
+        self._cut_elsewhere = any(sp.geometry.dim != 0 for sp in self.params)  # shard_placement_fn's Shard(d)
         self.shard_numel = sum(self.widths)
         self.sharded_flat = torch.empty(0)
         self._unsharded_flat: Optional[torch.Tensor] = None
@@ -149,7 +150,7 @@ class UnitStorage:
             flat = torch.empty(self.world * self.shard_numel, dtype=self.unsharded_dtype, device=self.compute_device)
             starts = self._offsets(self.world)
             writer = flat.data  # its own version counter: refills are invisible to autograd
-            self._copy_out_blocks = [writer[s : s + self.world * w].view(self.world, w) for s, w in zip(starts, self.widths)]
+            self._copy_out_blocks = [_rank_major(sp, writer[s : s + self.world * w]) for sp, s, w in zip(self.params, starts, self.widths)]
         for sp, start in zip(self.params, starts):
             full = flat[start : start + sp.geometry.numel].view(sp.geometry.shape)
             sp.unsharded = nn.Parameter(sp.computes_as(full), requires_grad=sp.requires_grad)
@@ -175,15 +176,23 @@ class UnitStorage:
 
     def copy_out(self, gathered: torch.Tensor) -> None:
         """Rank-major all-gather output -> the unsharded parameters."""
-        torch._foreach_copy_(self._copy_out_blocks, column_blocks(gathered, self.world, self.widths))
+        torch._foreach_copy_(self._copy_out_blocks, self._gathered_blocks(gathered))
 
     def full_copies(self, gathered: torch.Tensor) -> list[torch.Tensor]:
         """Fresh full tensors of every parameter from a rank-major all-gather output."""
         buffer = torch.empty(self.world * self.shard_numel, dtype=gathered.dtype, device=gathered.device)
         starts = self._offsets(self.world)
-        blocks = [buffer[s : s + self.world * w].view(self.world, w) for s, w in zip(starts, self.widths)]
-        torch._foreach_copy_(blocks, column_blocks(gathered, self.world, self.widths))
+        blocks = [_rank_major(sp, buffer[s : s + self.world * w]) for sp, s, w in zip(self.params, starts, self.widths)]
+        torch._foreach_copy_(blocks, self._gathered_blocks(gathered))
         return [buffer[s : s + sp.geometry.numel].view(sp.geometry.shape) for sp, s in zip(self.params, starts)]
+
+    def _gathered_blocks(self, gathered: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's column block of a rank-major all-gather output, shaped as its
+        :func:`_rank_major` target."""
+        blocks = column_blocks(gathered, self.world, self.widths)
+        if not self._cut_elsewhere:
+            return blocks
+        return [b if sp.geometry.dim == 0 else b.view(self.world, *sp.geometry.slot_shape) for sp, b in zip(self.params, blocks)]
 
     def _offsets(self, scale: int) -> list[int]:
         return [scale * offset for offset in itertools.accumulate([0] + self.widths[:-1])]
@@ -256,6 +265,16 @@ class _Copies:
             torch._foreach_zero_(self.zeros)
 
 
+def _rank_major(sp: ShardedParam, region: torch.Tensor) -> torch.Tensor:
+    """``region`` (``world`` padded slots of a full-parameter buffer) as the target of its
+    column block of a rank-major buffer: ``world x slot`` for dim 0, which is the memory order;
+    for another cut dim, the full tensor seen rank by rank (a strided view)."""
+    g = sp.geometry
+    if g.dim == 0:
+        return region.view(g.world, g.slot_numel)
+    return g.by_rank(region[: g.numel])
+
+
 def _spread_rows(sp: ShardedParam, grad: Optional[torch.Tensor], block: torch.Tensor, copies: _Copies) -> None:
     """Plan copying the full ``grad`` of ``sp`` into ``block`` (``world x slot``): rank ``r``'s
     rows into row ``r``, zeros in the padding (and everywhere if ``grad`` is ``None``)."""
@@ -265,6 +284,9 @@ def _spread_rows(sp: ShardedParam, grad: Optional[torch.Tensor], block: torch.Te
         return
     if g.replicated:
         copies.copy(block, grad.reshape(1, 1).expand(block.shape[0], 1))
+        return
+    if g.dim != 0:  # cut evenly on another dim: rank r's chunk of that dim into row r
+        copies.copy(block.view(block.shape[0], *g.slot_shape), g.by_rank(grad))
         return
     world, per_rank = block.shape[0], g.rows_per_shard
     rows = block.view(world, per_rank, g.row_numel)

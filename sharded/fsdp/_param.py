@@ -6,6 +6,10 @@ holding fewer or none), which is the layout DTensor's ``Shard(0)`` describes; in
 rank's slot is padded to the full chunk size so that collectives move equal sizes. Users never
 see the padding: the DTensor's global shape is the parameter's shape. A 0-dim parameter cannot
 be cut, so it is replicated: every slot holds the whole value.
+
+``fully_shard(shard_placement_fn=...)`` may cut another dim (``Shard(1)``): then, as in torch,
+that dim must divide evenly (no padding), each rank's slot holds its contiguous chunk, and the
+gathered rank-major buffer is re-laid out into the full tensor (:meth:`ShardGeometry.by_rank`).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ class ShardGeometry:
 
     shape: torch.Size
     world: int
+    dim: int = 0  # the dim cut (``Shard(dim)``); any other than 0 divides evenly
 
     @property
     def replicated(self) -> bool:
@@ -41,11 +46,20 @@ class ShardGeometry:
 
     @property
     def row_numel(self) -> int:
-        return 1 if self.replicated else math.prod(self.shape[1:])
+        """Elements in one index of the cut dim (a row, for dim 0)."""
+        return 1 if self.replicated else math.prod(s for i, s in enumerate(self.shape) if i != self.dim)
 
     @property
     def rows_per_shard(self) -> int:
-        return 1 if self.replicated else -(-self.shape[0] // self.world)
+        """Indices of the cut dim in each rank's (padded) slot."""
+        return 1 if self.replicated else -(-self.shape[self.dim] // self.world)
+
+    @property
+    def slot_shape(self) -> tuple[int, ...]:
+        """The shape of each rank's (padded) slot."""
+        if self.replicated:
+            return (1,)
+        return tuple(self.rows_per_shard if i == self.dim else size for i, size in enumerate(self.shape))
 
     @property
     def slot_numel(self) -> int:
@@ -53,10 +67,19 @@ class ShardGeometry:
         return self.rows_per_shard * self.row_numel
 
     def rows_held_by(self, rank: int) -> int:
-        """Rows of the real (unpadded) parameter in ``rank``'s slot."""
+        """Indices of the cut dim of the real (unpadded) parameter in ``rank``'s slot."""
         if self.replicated:
             return 1
-        return max(0, min(self.rows_per_shard, self.shape[0] - rank * self.rows_per_shard))
+        return max(0, min(self.rows_per_shard, self.shape[self.dim] - rank * self.rows_per_shard))
+
+    def by_rank(self, full: torch.Tensor) -> torch.Tensor:
+        """A view of ``full`` (the parameter's shape, or for dim 0 its ``world`` padded slots
+        flat) as ``world x slot_shape``: entry ``r`` is what rank ``r`` holds. For dim 0 that is
+        the memory order; for another dim a strided view, which is how a rank-major all-gather
+        output is re-laid out into the full tensor, and a full gradient packed rank-major."""
+        if self.dim == 0 or self.replicated:
+            return full.reshape(self.world, *self.slot_shape)
+        return full.reshape(self.shape).unflatten(self.dim, (self.world, self.rows_per_shard)).movedim(self.dim, 0)
 
     def stride(self) -> tuple[int, ...]:
         """The contiguous stride of the full parameter."""
@@ -68,10 +91,10 @@ class ShardGeometry:
 
 
 def placements_for(geometry: ShardGeometry, mesh: DeviceMesh) -> tuple[Placement, ...]:
-    """``Shard(0)`` on the last mesh dim (replicated on an outer one, if any); 0-dim: replicated."""
+    """``Shard(dim)`` on the last mesh dim (replicated on an outer one, if any); 0-dim: replicated."""
     if geometry.replicated:
         return tuple(Replicate() for _ in range(mesh.ndim))
-    return tuple(Replicate() for _ in range(mesh.ndim - 1)) + (Shard(0),)
+    return tuple(Replicate() for _ in range(mesh.ndim - 1)) + (Shard(geometry.dim),)
 
 
 class ShardedParam:
@@ -105,6 +128,8 @@ class ShardedParam:
         self.layout = layout  # a tensor-parallel parameter's DTensors (None: plain, the above)
         self._sharded: Optional[nn.Parameter] = None  # set by the first attach_shard
         self.unsharded: Optional[nn.Parameter] = None  # set by the unit's storage before a gather
+        # its local tensor defines fsdp_pre/post_all_gather: gathered through them (._extension)
+        self.gather_extension = False
         # the gradient summed locally while gradient sync is off (no_sync), in the reduce dtype
         self.unsynced_grad: Optional[torch.Tensor] = None
 
@@ -126,8 +151,7 @@ class ShardedParam:
         g = self.geometry
         if g.replicated:
             return slot.view(())
-        rows = slot.view(g.rows_per_shard, *g.shape[1:])
-        return rows[: g.rows_held_by(self.shard_rank)]
+        return slot.view(g.slot_shape).narrow(g.dim, 0, g.rows_held_by(self.shard_rank))
 
     def rows_of(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a full-shape tensor (the whole of a replicated one)."""
@@ -135,7 +159,7 @@ class ShardedParam:
         if g.replicated:
             return full
         start = self.shard_rank * g.rows_per_shard
-        return full[start : start + g.rows_held_by(self.shard_rank)]
+        return full[(slice(None),) * g.dim + (slice(start, start + g.rows_held_by(self.shard_rank)),)]
 
     def as_dtensor(self, local: torch.Tensor) -> DTensor:
         """``local`` (this rank's rows) as a DTensor of the parameter's global shape."""
@@ -153,7 +177,12 @@ class ShardedParam:
         gave it new storage) keep the same Python object, which an optimizer may already hold,
         and carry its gradient and attributes over.
         """
-        fresh = nn.Parameter(self.as_dtensor(self.local_part(slot)), requires_grad=requires_grad)
+        self.attach_local(self.local_part(slot), requires_grad)
+
+    def attach_local(self, local: torch.Tensor, requires_grad: bool) -> None:
+        """Make ``local`` (this rank's rows) the sharded parameter's local tensor (see
+        :meth:`attach_shard`)."""
+        fresh = nn.Parameter(self.as_dtensor(local), requires_grad=requires_grad)
         if self._sharded is None:
             self._sharded = fresh
             return

@@ -19,6 +19,7 @@ from torch import nn
 
 from .._checks import check_same_across_ranks
 from .._errors import on_rank
+from ._extension import check_no_late_hooks
 from ._reduction import Reduction
 from ._unit import ShardState, TrainingState, Unit, units_under
 
@@ -66,6 +67,7 @@ class Root:
                 u.reshard_after_forward = u is not unit
         root._name_by_paths(unit.module)
         root._check_same_across_ranks()
+        check_no_late_hooks([sp for u in units for sp in u.params])
         logger.debug("%s is the root of %d units", unit, len(units))
         return root
 

@@ -12,14 +12,16 @@ from __future__ import annotations
 import enum
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence, Union, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from ._collectives import PendingGather, new_buffer, start_all_gather, start_reduce_scatter
+from ._extension import ExtensionGather, shard_with_extension
 from ._flat_buffers import UnitStorage, pack_gradients
 from ._hooks import cast_floats, register_pre_backward, watch_input_gradients
 from ._mesh import MeshInfo
@@ -127,14 +129,17 @@ class Unit:
         self.mesh_info = mesh_info
         self.config = config
         self.device = mesh_info.device
+        plain = [sp for sp in self.params if not sp.gather_extension]
         self.storage = UnitStorage(
-            self.params,
+            plain,
             mesh_info.shard_world,
             self.device,
             offload_to_cpu=config.offloads,
             pin_memory=isinstance(config.offload_policy, CPUOffloadPolicy) and config.offload_policy.pin_memory,
             unsharded_dtype=config.mp_policy.param_dtype,
         )
+        extended = [sp for sp in self.params if sp.gather_extension]
+        self.extensions = ExtensionGather(extended, mesh_info.mesh, config.mp_policy, self.device) if extended else None
         if self.device not in _STREAMS:
             _STREAMS[self.device] = CommStreams(self.device)
         self.streams = _STREAMS[self.device]
@@ -194,7 +199,19 @@ class Unit:
     @property
     def reduce_dtype(self) -> torch.dtype:
         mp = self.config.mp_policy
-        return mp.reduce_dtype or mp.param_dtype or self.storage.dtype
+        return mp.reduce_dtype or mp.param_dtype or self._master_dtype
+
+    @property
+    def _master_dtype(self) -> torch.dtype:
+        return self.storage.dtype if self.storage.params else self.params[0].local_shard().dtype
+
+    def shard_from_full(self, fulls: Sequence[torch.Tensor]) -> None:
+        """Build the shards from the full parameters (in ``params`` order): the flat buffers for
+        plain ones, the subclass's own for those with the all-gather extension."""
+        self.storage.shard_from_full([full for sp, full in zip(self.params, fulls) if not sp.gather_extension])
+        for sp, full in zip(self.params, fulls):
+            if sp.gather_extension:
+                shard_with_extension(sp, full)
 
     # ------------------------------------------------------------------ communication
 
@@ -219,6 +236,9 @@ class Unit:
                 self._gather = start_all_gather(
                     source, self.storage.unsharded_dtype, self.device, group, world, self.custom_all_gather
                 )
+        if self.extensions is not None:
+            with self.streams.on_all_gather(), record_function(self.labels.all_gather):
+                self.extensions.start(self.mesh_info.shard_group, self.mesh_info.shard_world, self.custom_all_gather)
         self.shard_state = ShardState.GATHERING
 
     def wait_for_unshard(self) -> None:
@@ -233,6 +253,11 @@ class Unit:
                 self.storage.copy_out(gathered)
                 ready = self.streams.record()
             self._gather = None
+            self.streams.compute_waits(ready)
+        if self.extensions is not None:
+            with self.streams.on_all_gather():
+                self.extensions.finish(self.mesh_info.shard_world)
+                ready = self.streams.record()
             self.streams.compute_waits(ready)
         for sp in self.params:
             sp.show_unsharded()
@@ -253,6 +278,8 @@ class Unit:
             sp.show_sharded()
         self.streams.all_gather_after_compute()
         self.storage.free_unsharded()
+        if self.extensions is not None:
+            self.extensions.free()
         self.shard_state = ShardState.SHARDED
 
     # ------------------------------------------------------------------------ forward
@@ -402,6 +429,8 @@ class Unit:
         all-reduce) dropped."""
         if self._gather is not None:
             self._gather.wait()
+        if self.extensions is not None:
+            self.extensions.wait()
         self.reshard()
         for sp in self.params:
             sp.unsynced_grad = None
@@ -436,7 +465,10 @@ class Unit:
         self.storage.ensure_shards_current(where=repr(self))
         storage = self.storage
         info = self.mesh_info
-        with record_function(self.labels.all_gather):
-            pending = start_all_gather(storage.sharded_flat, storage.dtype, self.device, info.shard_group, info.shard_world)
-        fulls = storage.full_copies(pending.wait())
+        plain: Iterator[torch.Tensor] = iter(())
+        if storage.params:
+            with record_function(self.labels.all_gather):
+                pending = start_all_gather(storage.sharded_flat, storage.dtype, self.device, info.shard_group, info.shard_world)
+            plain = iter(storage.full_copies(pending.wait()))
+        fulls = [cast(DTensor, sp.sharded).full_tensor() if sp.gather_extension else next(plain) for sp in self.params]
         return [full.to(device) for full in fulls] if device is not None else fulls

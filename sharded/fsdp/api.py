@@ -18,8 +18,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._arguments import as_our_policies, check_placements, resolve_reshard_after_forward
+from ._arguments import as_our_policies, resolve_reshard_after_forward, shard_dims
 from ._collect import check_not_sharded, collect_unit_params
+from ._extension import has_gather_extension
 from .._errors import on_rank
 from ._fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method, run_pre_forward
 from ._hooks import install_forward_hooks
@@ -59,7 +60,8 @@ def fully_shard(
     makes one unit over all of them (e.g. ``[model.norm, model.output]``) and returns the list.
 
     Afterwards every parameter is an ``nn.Parameter`` holding a DTensor sharded on dim 0
-    (``Shard(0)``; replicated across rows of a 2-D mesh): build the optimizer *after* this call,
+    (``Shard(0)``, or the dim ``shard_placement_fn`` chose; replicated across rows of a 2-D
+    mesh): build the optimizer *after* this call,
     and it steps each rank's shard. ``p.full_tensor()``, ``torch.distributed.checkpoint`` and
     ``torch.nn.utils.clip_grad_norm_`` (which then returns the global norm) work unchanged.
     Parameter names, and so ``state_dict()`` keys, stay the same. Buffers stay replicated.
@@ -85,8 +87,9 @@ def fully_shard(
             ``k`` between (ZeRO++'s secondary shard) keeps ``1/k`` of the gathered parameters
             after forward and all-gathers within groups of ``k`` ranks in backward (not for
             DTensor parameters: ``NotImplementedError``, as in torch).
-        shard_placement_fn: ``param -> None | Shard(0)``; another placement raises
-            ``NotImplementedError``.
+        shard_placement_fn: ``param -> None | Shard(dim)``: the dim to cut each parameter on
+            (``None``: 0). As in torch, a dim other than 0 must divide evenly over the shard
+            world; another placement raises ``NotImplementedError``.
         mp_policy: mixed precision (:class:`MixedPrecisionPolicy`, ours or torch's).
         offload_policy: ``CPUOffloadPolicy`` (ours or torch's) to keep shards, gradients and the
             optimizer step on the CPU; ``None`` or ``OffloadPolicy()``: no offloading.
@@ -96,6 +99,11 @@ def fully_shard(
             dims; sharded over the ``shard`` dim(s) (and all-reduced over the ``replicate``
             dims); several names in a field are flattened, as in torch. ``replicate`` alone
             raises ``NotImplementedError``.
+
+    A parameter whose tensor defines ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` (a tensor
+    subclass such as torchao's float8 weights) is all-gathered through them, as torch calls them:
+    the pre hook gives what to send (e.g. the weight in float8 or bfloat16: fewer bytes), the post
+    hook builds the unsharded parameter from what arrived.
     """
     modules = _modules_of(module)
     mp_policy, offload_policy = as_our_policies(mp_policy, offload_policy)
@@ -104,23 +112,26 @@ def fully_shard(
     for m in modules:
         check_not_sharded(m)
     taken = collect_unit_params(modules, _ids_of(modules, ignored_params))
-    check_placements(shard_placement_fn, taken)
+    dims = shard_dims(shard_placement_fn, taken, info.shard_world)
     params = [
         ShardedParam(
             name,
             registered_as,
-            ShardGeometry(local_tensor_of(param).shape, info.shard_world),
+            ShardGeometry(local_tensor_of(param).shape, info.shard_world, dim),
             info.mesh,
             info.shard_rank,
             layout_for(param, name, info.mesh) if info.spmd is None else spmd_layout(param, name, info.spmd),
         )
-        for name, param, registered_as in taken
+        for (name, param, registered_as), dim in zip(taken, dims)
     ]
+    for sp, (name, param, _) in zip(params, taken):
+        sp.gather_extension = has_gather_extension(param, name, sp.geometry.dim)
+    _check_tensor_parallel_params(params)
     unit = Unit(modules, params, info, UnitConfig(mp_policy, offload_policy, reshard_after_forward))
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         _check_plain_params(params, reshard_after_forward)
         unit.secondary_shard = secondary_shard_for(info, reshard_after_forward)
-    unit.storage.shard_from_full([local_tensor_of(param) for _, param, _ in taken])
+    unit.shard_from_full([local_tensor_of(param) for _, param, _ in taken])
     for sp, (_, original, _) in zip(params, taken):
         sp.show_sharded()
         register_sharded(sp.sharded, unit)
@@ -139,6 +150,17 @@ def _spmd_mesh(process_group: Any, mesh: Optional[DeviceMesh], dp_mesh_dims: Any
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         raise NotImplementedError(on_rank("fully_shard: reshard_after_forward as int is not yet supported with SPMD mesh (dp_mesh_dims)"))
     return resolve_spmd_mesh(mesh, dp_mesh_dims)
+
+
+def _check_tensor_parallel_params(params: list[ShardedParam]) -> None:
+    """DTensor (tensor-parallel) parameters are cut on dim 0 of their local tensor, gathered plainly."""
+    for sp in params:
+        if sp.layout is not None and (sp.geometry.dim != 0 or sp.gather_extension):
+            what = f"shard_placement_fn chose Shard({sp.geometry.dim})" if sp.geometry.dim else "it has the all-gather extension"
+            raise NotImplementedError(on_rank(
+                f"fully_shard: parameter {sp.fqn} is a DTensor (tensor parallelism) and {what}; sharded shards "
+                "DTensor parameters on dim 0 of their local tensor, with a plain all-gather, only"
+            ))
 
 
 def _check_plain_params(params: list[ShardedParam], reshard_after_forward: int) -> None:
