@@ -48,6 +48,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -189,6 +190,8 @@ def build_deepspeed(impl: str, model: nn.Module):
     import deepspeed
 
     os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))  # asserted by DeepSpeed; one host here
+    # it calls torch's all_gather_into_tensor / reduce_scatter_tensor, deprecated in 2.13, once per bucket
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)`")
     zero: dict = {"stage": DEEPSPEED[impl]}
     if zero["stage"] == 3:  # True would replace F.linear process-wide: every row's round-off would change
         zero["memory_efficient_linear"] = False
