@@ -220,7 +220,7 @@ class DeepSpeedSteps:
 
     def grad_bytes(self) -> int:
         """Gradient bytes held after backward: DeepSpeed keeps its reduced partition in
-        ``averaged_gradients`` (per group, a list or a dict of tensors), out of ``p.grad``."""
+        ``averaged_gradients`` (per group, a list or a dict of tensors); ``p.grad`` stays None."""
         groups = self.engine.optimizer.averaged_gradients
         groups = groups.values() if isinstance(groups, dict) else groups
         return sum(local_nbytes(t) for group in groups for t in (group or []) if torch.is_tensor(t))
@@ -253,10 +253,12 @@ def train_step(size, setup, step, rank, device):
     tokens = tokens_for(size, step, rank, device)
     opt.zero_grad(set_to_none=set_to_none)
     loss = next_token_loss(wrapped, tokens)
-    opt.backward(loss) if isinstance(opt, DeepSpeedSteps) else loss.backward()
-    grad_bytes = sum(local_nbytes(p.grad) for p in wrapped.parameters() if p.grad is not None)
     if isinstance(opt, DeepSpeedSteps):
-        grad_bytes += opt.grad_bytes()
+        opt.backward(loss)
+        grad_bytes = opt.grad_bytes()
+    else:
+        loss.backward()
+        grad_bytes = sum(local_nbytes(p.grad) for p in wrapped.parameters() if p.grad is not None)
     opt.step()
     return loss.item(), grad_bytes
 
