@@ -195,8 +195,9 @@ def build_deepspeed(impl: str, model: nn.Module):
     zero: dict = {"stage": DEEPSPEED[impl]}
     if zero["stage"] == 3:  # True would replace F.linear process-wide: every row's round-off would change
         zero["memory_efficient_linear"] = False
+    # gradient_clipping: DeepSpeed 0.19 clips to norm 1.0 unless told otherwise; no other row clips
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "zero_optimization": zero,
-              "zero_allow_untested_optimizer": True, "steps_per_print": 2**31 - 1}
+              "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True, "steps_per_print": 2**31 - 1}
     adam = torch.optim.Adam(model.parameters(), lr=LR)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=adam, config=config, dist_init_required=False)
     return engine, DeepSpeedSteps(engine), True, engine.optimizer.optimizer
