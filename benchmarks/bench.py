@@ -29,9 +29,10 @@ through ``torch.compile`` (inductor) and ``zero2_unused`` adds one parameter tha
 gradient, placed where the first-guess reduce order expects the first gradient.
 
 The ``ds_zero1/2/3`` rows are DeepSpeed's ZeRO (``pip install -e '.[bench]'``): fp32, torch's Adam,
-``zero_optimization.stage`` 1, 2, 3, on its CPU accelerator (``DS_ACCELERATOR=cpu``, set here when
-CUDA is absent). Its first start on a machine compiles DeepSpeed's shared-memory communication op
-once (cached under ~/.cache/torch_extensions); the training steps do not use it.
+``zero_optimization.stage`` 1, 2, 3, no gradient clipping, on its CPU accelerator
+(``DS_ACCELERATOR=cpu``, set here when CUDA is absent). Its first start on a machine compiles
+DeepSpeed's shared-memory communication op once (cached under ~/.cache/torch_extensions); the
+training steps do not use it.
 
     python benchmarks/bench.py --profile zero2 --sizes 40m-short   # where a step's time goes
 """
