@@ -1,4 +1,4 @@
-"""Side-by-side benchmark: DDP, torch ZeRO, fairscale and sharded, in one launch.
+"""Side-by-side benchmark: DDP, torch ZeRO, fairscale, DeepSpeed and sharded, in one launch.
 
     python benchmarks/bench.py                       # what `make bench` runs
     python benchmarks/bench.py --sizes 10m --steps 6 # quicker
@@ -14,8 +14,10 @@ backward of the same batch with no communication at all, plus the optimizer step
 the step; the run's **noise** on that ratio (half the spread of the per-round ratios: differences
 smaller than it are ties); for ZeRO-2, the share of backward during which reduces were already
 under way (``overlap``, from ``ShardedDataParallel.backward_stats``); optimizer-state and
-gradient bytes held on each rank (gradients measured after backward, i.e. after reduction); peak
-RSS per rank (a separate short launch per implementation, so peaks don't mix); bytes and calls
+gradient bytes held on each rank (gradients measured after backward, i.e. after reduction); the
+peak memory of the rank that rose most (a separate short launch per implementation, so peaks
+don't mix, whose ranks start with ``MALLOC_MMAP_THRESHOLD_=65536``: the rise of VmHWM over the
+resident set before the model is built, which then follows live bytes); bytes and calls
 communicated per step, counted at the Python collective level as algorithmic bytes per rank
 (ring model: all-reduce moves 2(W-1)/W of its tensor, reduce, broadcast, all-gather and
 reduce-scatter (W-1)/W); DDP's gradient all-reduce runs in its C++ reducer, out of Python's
@@ -26,6 +28,12 @@ Two ZeRO-2 variants show what survives outside the plain case: ``zero2_compile``
 through ``torch.compile`` (inductor) and ``zero2_unused`` adds one parameter that never gets a
 gradient, placed where the first-guess reduce order expects the first gradient.
 
+The ``ds_zero1/2/3`` rows are DeepSpeed's ZeRO (``pip install -e '.[bench]'``): fp32, torch's Adam,
+``zero_optimization.stage`` 1, 2, 3, no gradient clipping, on its CPU accelerator
+(``DS_ACCELERATOR=cpu``, set here when CUDA is absent). Its first start on a machine compiles
+DeepSpeed's shared-memory communication op once (cached under ~/.cache/torch_extensions); the
+training steps do not use it.
+
     python benchmarks/bench.py --profile zero2 --sizes 40m-short   # where a step's time goes
 """
 
@@ -33,14 +41,15 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import platform
-import resource
 import statistics
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -67,15 +76,21 @@ IMPLS = {
     "fsdp1": "torch FSDP1 FULL_SHARD",
     "zero3": "sharded fully_shard (ZeRO-3)",
     "zero3_grad_op": "sharded FSDP SHARD_GRAD_OP",
+    "ds_zero1": "DeepSpeed ZeRO-1 + torch Adam",
+    "ds_zero2": "DeepSpeed ZeRO-2 + torch Adam",
+    "ds_zero3": "DeepSpeed ZeRO-3 + torch Adam",
 }
 SHORT_NAMES = {"ddp": "DDP", "torch_zero": "torch ZeRO\n+ DDP", "fairscale": "fairscale\nOSS + SDP",
                "zero1": "sharded\nOSS + DDP", "zero2": "sharded\nOSS + SDP",
                "zero2_fp16": "sharded SDP\nfp16 wire", "ideal": "ideal",
                "zero2_compile": "sharded SDP\ncompile", "zero2_unused": "sharded SDP\nunused param",
                "fsdp2": "torch\nFSDP2", "fsdp2_no_reshard": "torch FSDP2\nno reshard",
-               "fsdp1": "torch\nFSDP1", "zero3": "sharded\nZeRO-3", "zero3_grad_op": "sharded\nSHARD_GRAD_OP"}
+               "fsdp1": "torch\nFSDP1", "zero3": "sharded\nZeRO-3", "zero3_grad_op": "sharded\nSHARD_GRAD_OP",
+               "ds_zero1": "DeepSpeed\nZeRO-1", "ds_zero2": "DeepSpeed\nZeRO-2", "ds_zero3": "DeepSpeed\nZeRO-3"}
 # which ZeRO stage each implementation is, for the bytes-per-parameter table
 STAGES = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}
+# DeepSpeed's rows (the `bench` extra) and their zero_optimization.stage
+DEEPSPEED = {"ds_zero1": 1, "ds_zero2": 2, "ds_zero3": 3}
 # "-short" sizes run 32 tokens per rank: the step is then optimizer and communication work, as it is
 # when an accelerator makes the matrix work cheap, and that is where the implementations differ.
 SIZES = {"10m": dict(dim=384, layers=6, batch=8, seq=128), "40m": dict(dim=640, layers=8, batch=4, seq=128),
@@ -114,6 +129,8 @@ def build(impl: str, model: nn.Module):
         model.unused = nn.Linear(model.head.in_features, model.head.in_features).to(model.head.weight.device)
     if impl.startswith(("fsdp", "zero3")):
         return build_fully_sharded(impl, model)
+    if impl in DEEPSPEED:
+        return build_deepspeed(impl, model)
     params = model.parameters()
     if impl == "ddp":
         opt = torch.optim.Adam(params, lr=LR)
@@ -167,6 +184,50 @@ def build_fully_sharded(impl: str, model: nn.Module):
     return model, opt, True, opt
 
 
+def build_deepspeed(impl: str, model: nn.Module):
+    """DeepSpeed's ZeRO at the stage of ``impl``, as a user runs it beside us: fp32, torch's Adam
+    (the optimizer of every other row), the process group bench.py already made. On a machine
+    without CUDA, ``main`` sets ``DS_ACCELERATOR=cpu`` before the ranks start (gloo)."""
+    import deepspeed
+
+    os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))  # asserted by DeepSpeed; one host here
+    # it calls torch's all_gather_into_tensor / reduce_scatter_tensor, deprecated in 2.13, once per bucket
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)`")
+    zero: dict = {"stage": DEEPSPEED[impl]}
+    if zero["stage"] == 3:  # True would replace F.linear process-wide: every row's round-off would change
+        zero["memory_efficient_linear"] = False
+    # gradient_clipping: DeepSpeed 0.19 clips to norm 1.0 unless told otherwise; no other row clips
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "zero_optimization": zero,
+              "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True, "steps_per_print": 2**31 - 1}
+    adam = torch.optim.Adam(model.parameters(), lr=LR)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=adam, config=config, dist_init_required=False)
+    return engine, DeepSpeedSteps(engine), True, engine.optimizer.optimizer
+
+
+class DeepSpeedSteps:
+    """The optimizer interface ``train_step`` drives, for a DeepSpeed engine: backward and step
+    must go through the engine (its reduce epilogue, the parameter all-gather after the step)."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.engine.zero_grad()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss)
+
+    def step(self) -> None:
+        self.engine.step()
+
+    def grad_bytes(self) -> int:
+        """Gradient bytes held after backward: DeepSpeed keeps its reduced partition in
+        ``averaged_gradients`` (per group, a list or a dict of tensors); ``p.grad`` stays None."""
+        groups = self.engine.optimizer.averaged_gradients
+        groups = groups.values() if isinstance(groups, dict) else groups
+        return sum(local_nbytes(t) for group in groups for t in (group or []) if torch.is_tensor(t))
+
+
 def local_nbytes(t: torch.Tensor) -> int:
     """Bytes this rank holds for ``t`` (a DTensor's local shard)."""
     t = t.to_local() if hasattr(t, "to_local") else t
@@ -181,6 +242,11 @@ def full_named_params(impl: str, wrapped: nn.Module, model: nn.Module) -> dict[s
 
         with FSDP1.summon_full_params(wrapped):
             return {name: p.detach().clone() for name, p in model.named_parameters()}
+    if impl == "ds_zero3":
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(model.parameters())):
+            return {name: p.detach().clone() for name, p in model.named_parameters()}
     return {name: p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for name, p in model.named_parameters()}
 
 
@@ -189,8 +255,12 @@ def train_step(size, setup, step, rank, device):
     tokens = tokens_for(size, step, rank, device)
     opt.zero_grad(set_to_none=set_to_none)
     loss = next_token_loss(wrapped, tokens)
-    loss.backward()
-    grad_bytes = sum(local_nbytes(p.grad) for p in wrapped.parameters() if p.grad is not None)
+    if isinstance(opt, DeepSpeedSteps):
+        opt.backward(loss)
+        grad_bytes = opt.grad_bytes()
+    else:
+        loss.backward()
+        grad_bytes = sum(local_nbytes(p.grad) for p in wrapped.parameters() if p.grad is not None)
     opt.step()
     return loss.item(), grad_bytes
 
@@ -201,6 +271,7 @@ class CollectiveCounter:
     def __init__(self) -> None:
         self.calls, self.bytes = 0, 0.0
         self._saved = {}
+        self._ds_saved = None
 
     def __enter__(self):
         world = dist.get_world_size()
@@ -208,7 +279,17 @@ class CollectiveCounter:
             if hasattr(dist, name):  # all_gather_single / reduce_scatter_single: torch >= 2.13
                 fn = self._saved[name] = getattr(dist, name)
                 setattr(dist, name, self._counting(name, fn, factor, world))
+        backend = self._deepspeed_backend()
+        if backend is not None:  # it looked its all-gather and reduce-scatter up once, at start
+            self._ds_saved = (backend.all_gather_function, backend.reduce_scatter_function)
+            backend.all_gather_function = self._counting("all_gather_into_tensor", self._ds_saved[0], 1, world)
+            backend.reduce_scatter_function = self._counting("reduce_scatter_tensor", self._ds_saved[1], 1, world)
         return self
+
+    @staticmethod
+    def _deepspeed_backend():
+        """DeepSpeed's communication backend, if a DeepSpeed row made one in this process."""
+        return getattr(sys.modules.get("deepspeed.comm.comm"), "cdb", None)
 
     def _counting(self, name, fn, factor, world):
         def counted(*args, **kwargs):
@@ -222,6 +303,9 @@ class CollectiveCounter:
     def __exit__(self, *exc):
         for name, fn in self._saved.items():
             setattr(dist, name, fn)
+        backend = self._deepspeed_backend()
+        if backend is not None and self._ds_saved is not None:
+            backend.all_gather_function, backend.reduce_scatter_function = self._ds_saved
 
 
 def full_size_bytes(name: str, args, kwargs) -> int:
@@ -238,7 +322,9 @@ def held_param_bytes(wrapped: nn.Module) -> int:
     storages = {}
     for p in wrapped.parameters():
         local = p.to_local() if hasattr(p, "to_local") else p
-        storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+        shard = getattr(p, "ds_tensor", None)  # DeepSpeed ZeRO-3: the partition, beside p's (maybe empty) data
+        for held in (local, shard) if shard is not None else (local,):
+            storages[held.untyped_storage().data_ptr()] = held.untyped_storage().nbytes()
     return sum(storages.values())
 
 
@@ -329,26 +415,67 @@ def ratios_to_ideal(rows: dict) -> None:
 
 
 def memory_rank(rank, world, size, impl, store_path, results_path):
+    """Each rank's peak over a few steps of ``impl``: the rise of its resident set's high-water
+    mark (VmHWM) over its resident set once the libraries are imported, before the model is built."""
     device = init_rank(rank, world, store_path)
+    import_libraries(impl)
+    start = reset_peak()
     setup = build(impl, make_model(size, device))
     for step in range(3):
         train_step(size, setup, step, rank, device)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    peaks = gather(peak, device)
+    peaks = gather(status_bytes("VmHWM") - start, device)
     if rank == 0:
         Path(results_path).write_text(json.dumps(peaks))
     finish_rank()
 
 
-def peak_rss(world: int, size: str, impl: str) -> list[float]:
-    """Each rank's peak RSS over a few steps of ``impl`` alone, in a launch of its own; empty if
-    the launch fails twice (the timings already taken are worth more than this column)."""
-    for attempt in ("retrying", "leaving its peak RSS out"):
-        try:
-            return launch(memory_rank, world, size, impl)
-        except Exception as error:  # a rank crashing at exit must not lose the whole run
-            print(f"memory launch of {impl} at {size} failed ({error}); {attempt}", file=sys.stderr)
-    return []
+def import_libraries(impl: str) -> None:
+    """Import what ``build`` imports for ``impl``, so that library code stays out of its peak."""
+    if impl in DEEPSPEED:
+        import deepspeed  # noqa: F401
+    elif impl == "fairscale":
+        import fairscale.nn  # noqa: F401
+        import fairscale.optim  # noqa: F401
+    else:
+        import sharded  # noqa: F401
+
+
+def status_bytes(field: str) -> int:
+    """A ``Vm*`` line of /proc/self/status (VmRSS, VmHWM), in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field} line")
+
+
+def reset_peak() -> int:
+    """Set VmHWM to the current resident set (``clear_refs`` 5); return that, in bytes."""
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")
+    return status_bytes("VmRSS")
+
+
+def peak_rise(world: int, size: str, impl: str) -> list[float]:
+    """Each rank's peak rise over a few steps of ``impl`` alone, in a launch of its own whose ranks
+    start with ``MALLOC_MMAP_THRESHOLD_=65536``: glibc then maps every allocation of 64 KiB or more
+    and unmaps it when freed, so the high-water mark follows live bytes (with its default, freed
+    tensors stay in the heap and every implementation peaks alike). glibc reads the variable when
+    a process starts: the spawned ranks inherit it. Empty if the launch fails twice (the timings
+    already taken are worth more than this column)."""
+    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    try:
+        for attempt in ("retrying", "leaving its peak out"):
+            try:
+                return launch(memory_rank, world, size, impl)
+            except Exception as error:  # a rank crashing at exit must not lose the whole run
+                print(f"memory launch of {impl} at {size} failed ({error}); {attempt}", file=sys.stderr)
+        return []
+    finally:
+        if saved is None:
+            del os.environ["MALLOC_MMAP_THRESHOLD_"]
+        else:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
 
 
 def profile_rank(rank, world, size, impl, store_path, results_path):
@@ -409,7 +536,7 @@ def print_table(report, world) -> None:
         print(f"\n{size} ({rows[next(iter(rows))]['params'] / 1e6:.1f}M params), world {world}")
         print(f"{'implementation':<40}{'step s':>8}{'vs DDP':>8}{'vs ideal':>10}{'± noise':>9}{'exposed ms':>12}"
               f"{'exposed %':>10}{'overlap':>9}{'vs FSDP2':>9}{'params MiB/rank':>17}{'state MiB/rank':>18}"
-              f"{'grads MiB/rank':>18}{'peak RSS MiB':>16}{'MiB sent':>10}{'sent/M':>8}{'calls':>7}{'loss':>8}"
+              f"{'grads MiB/rank':>18}{'peak MiB (max)':>16}{'MiB sent':>10}{'sent/M':>8}{'calls':>7}{'loss':>8}"
               f"{'max |Δ|':>10}")
         for impl, r in rows.items():
             mib = lambda xs: "/".join(f"{x / 2**20:.1f}" for x in xs)
@@ -419,8 +546,14 @@ def print_table(report, world) -> None:
                      if "vs_ideal" in r else f"{'-':>10}{'-':>9}{'-':>12}{'-':>10}")
             print(f"{IMPLS[impl]:<40}{r['median_step_s']:>8.3f}{ratio:>8}{ideal}{overlap:>9}{fsdp2_ratio(rows, impl):>9}"
                   f"{mib(r.get('param_bytes', [])):>17}{mib(r['state_bytes']):>18}{mib(r['grad_bytes']):>18}"
-                  f"{mib(r.get('peak_rss', [])):>16}{r['comm_bytes'] / 2**20:>10.1f}{sent_per_model(r, world):>8.2f}"
+                  f"{mib(peak_of(r)):>16}{r['comm_bytes'] / 2**20:>10.1f}{sent_per_model(r, world):>8.2f}"
                   f"{r['comm_calls_python']:>7}{r['final_loss']:>8.4f}{r['max_param_diff_vs_ddp']:>10.2e}")
+
+
+def peak_of(row: dict) -> list[float]:
+    """The peak rise of the rank that rose most, as a one-element list; empty when not measured."""
+    peaks = row.get("peak_rise") or []
+    return [max(peaks)] if peaks else []
 
 
 # the torch FSDP2 run with the same strategy as each layer-3 run
@@ -546,11 +679,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--turn", type=int, default=2, help="steps each implementation takes per turn")
     parser.add_argument("--out", default="bench_out")
-    parser.add_argument("--no-memory", action="store_true", help="skip the per-implementation RSS launches")
+    parser.add_argument("--no-memory", action="store_true", help="skip the per-implementation peak-memory launches")
     parser.add_argument("--zero-worlds", type=lambda s: [int(w) for w in s.split(",") if w], default=[2, 4],
                         help="world sizes of the DDP / ZeRO-1/2/3 bytes-per-parameter table ('' to skip)")
     parser.add_argument("--profile", metavar="IMPL", help="profile IMPL on the first of --sizes instead")
     args = parser.parse_args()
+    if not torch.cuda.is_available():  # read by DeepSpeed's import in the ranks: its CPU accelerator, gloo
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if args.profile:
         for rank, text in enumerate(launch(profile_rank, args.world, args.sizes[0], args.profile)):
             print(f"\n--- rank {rank}: {IMPLS[args.profile]}, {args.sizes[0]}, per step ---\n{text}")
@@ -562,7 +697,7 @@ def main() -> None:
         for size, rows in report.items():
             for impl in rows:
                 if impl != "ideal":
-                    rows[impl]["peak_rss"] = peak_rss(args.world, size, impl)
+                    rows[impl]["peak_rise"] = peak_rise(args.world, size, impl)
     print_table(report, args.world)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

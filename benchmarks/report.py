@@ -14,9 +14,11 @@ import json
 import sys
 from pathlib import Path
 
-from bench import IMPLS, SAME_STRATEGY, STAGES, ratios_to_ideal, sent_per_model, zero_formula
+from bench import IMPLS, SAME_STRATEGY, STAGES, peak_of, ratios_to_ideal, sent_per_model, zero_formula
 
-LAYER_3 = {"fsdp2", "fsdp2_no_reshard", "fsdp1", "zero3", "zero3_grad_op"}
+LAYER_3 = {"fsdp2", "fsdp2_no_reshard", "fsdp1", "zero3", "zero3_grad_op", "ds_zero3"}
+# DeepSpeed's row at the same ZeRO stage as each of ours
+SAME_STAGE = {"zero1": "ds_zero1", "zero2": "ds_zero2", "zero3": "ds_zero3"}
 
 
 def mib(values: list[float]) -> str:
@@ -31,32 +33,44 @@ def exposed(row: dict) -> str:
     return f"{row['exposed_ms']:.0f} ({100 * row['exposed_share']:.0f} %)" if "exposed_ms" in row else "-"
 
 
+def vs_deepspeed(impl: str, rows: dict) -> str:
+    """Step time and peak against DeepSpeed at the same stage, where both ran."""
+    other = rows.get(SAME_STAGE.get(impl, ""))
+    if not other:
+        return "-"
+    time = f"{rows[impl]['median_step_s'] / other['median_step_s']:.2f}"
+    mine, theirs = peak_of(rows[impl]), peak_of(other)
+    return f"{time} / {mine[0] / theirs[0]:.2f}" if mine and theirs else time
+
+
 def diff(row: dict) -> str:
     value = row["max_param_diff_vs_ddp"]
     return "-" if value != value else "0" if value == 0 else f"{value:.1e}"  # NaN: no reference
 
 
-def layer_12_row(impl: str, row: dict, ddp: float, world: int) -> list[str]:
+def layer_12_row(impl: str, row: dict, rows: dict, ddp: float, world: int) -> list[str]:
     overlap = f"{row['overlap']:.2f}" if row.get("overlap") is not None else "-"
-    return [IMPLS[impl], f"{row['median_step_s']:.3f}", f"{row['median_step_s'] / ddp:.2f}", vs_ideal(row),
-            exposed(row), overlap, mib(row["state_bytes"]), mib(row["grad_bytes"]), mib(row.get("peak_rss", [])),
+    return [IMPLS[impl], f"{row['median_step_s']:.3f}", f"{row['median_step_s'] / ddp:.2f}",
+            vs_deepspeed(impl, rows), vs_ideal(row), exposed(row), overlap, mib(row["state_bytes"]),
+            mib(row["grad_bytes"]), mib(peak_of(row)),
             f"{row['comm_bytes'] / 2**20:.1f}", str(row["comm_calls_python"]), diff(row)]
 
 
 def layer_3_row(impl: str, row: dict, rows: dict, ddp: float, world: int) -> list[str]:
     same = rows.get(SAME_STRATEGY.get(impl, ""))
     fsdp2 = f"{row['median_step_s'] / same['median_step_s']:.2f}" if same else "-"
-    return [IMPLS[impl], f"{row['median_step_s']:.3f}", f"{row['median_step_s'] / ddp:.2f}", fsdp2, vs_ideal(row),
-            mib(row.get("param_bytes", [])), mib(row["state_bytes"]), mib(row["grad_bytes"]),
-            mib(row.get("peak_rss", [])), f"{sent_per_model(row, world):.2f}", str(row["comm_calls_python"]),
+    return [IMPLS[impl], f"{row['median_step_s']:.3f}", f"{row['median_step_s'] / ddp:.2f}", fsdp2,
+            vs_deepspeed(impl, rows), vs_ideal(row), mib(row.get("param_bytes", [])), mib(row["state_bytes"]),
+            mib(row["grad_bytes"]), mib(peak_of(row)), f"{sent_per_model(row, world):.2f}", str(row["comm_calls_python"]),
             diff(row)]
 
 
-LAYER_12_HEAD = ["implementation", "step s", "vs DDP", "vs ideal ± noise", "exposed ms (share)", "overlap",
-                 "state MiB/rank", "grads MiB/rank", "peak RSS MiB/rank", "MiB sent", "calls", "max abs diff"]
-LAYER_3_HEAD = ["implementation", "step s", "vs DDP", "vs FSDP2 (same strategy)", "vs ideal ± noise",
-                "params MiB/rank", "state MiB/rank", "grads MiB/rank", "peak RSS MiB/rank", "sent / model",
-                "calls", "max abs diff"]
+LAYER_12_HEAD = ["implementation", "step s", "vs DDP", "vs DeepSpeed (step / peak)", "vs ideal ± noise",
+                 "exposed ms (share)", "overlap", "state MiB/rank", "grads MiB/rank", "peak MiB (largest rank)",
+                 "MiB sent", "calls", "max abs diff"]
+LAYER_3_HEAD = ["implementation", "step s", "vs DDP", "vs FSDP2 (same strategy)", "vs DeepSpeed (step / peak)",
+                "vs ideal ± noise", "params MiB/rank", "state MiB/rank", "grads MiB/rank", "peak MiB (largest rank)",
+                "sent / model", "calls", "max abs diff"]
 
 
 def markdown(head: list[str], body: list[list[str]]) -> str:
@@ -70,7 +84,7 @@ def size_tables(report: dict, world: int) -> str:
         ratios_to_ideal(rows)
         ddp = rows["ddp"]["median_step_s"]
         layer_3 = LAYER_3 & set(rows)
-        body = [layer_3_row(i, r, rows, ddp, world) if layer_3 else layer_12_row(i, r, ddp, world)
+        body = [layer_3_row(i, r, rows, ddp, world) if layer_3 else layer_12_row(i, r, rows, ddp, world)
                 for i, r in rows.items()]
         params = next(iter(rows.values()))["params"] / 1e6
         parts.append(f"### {size} ({params:.1f}M parameters)\n\n" + markdown(LAYER_3_HEAD if layer_3 else LAYER_12_HEAD, body))
