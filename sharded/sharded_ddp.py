@@ -78,6 +78,8 @@ class ShardedDataParallel(nn.Module):
         self.reduce_fp16 = reduce_fp16
         self.warn_on_trainable_params_changed = warn_on_trainable_params_changed
         self._warned_trainability_change = False
+        # bytes of parameters per graph when Dynamo compiles the module (see forward)
+        self._split_bytes = split_bytes_for(reduce_buffer_size, list(module.parameters()))
         # DDP's switch: False makes the next forward's backward accumulate locally (no_sync).
         self.require_backward_grad_sync = True
 
@@ -93,7 +95,6 @@ class ShardedDataParallel(nn.Module):
             optimizer.register_step_post_hook(self._on_optimizer_step)
         self._router = self._build_router()
         self._trainability = self._current_trainability()
-        self._split_bytes = split_bytes_for(reduce_buffer_size, list(module.parameters()))
 
     # --------------------------------------------------------------------------- forward
 
