@@ -24,7 +24,10 @@ difference to DDP after the same batches: a fast but wrong result shows.
 
 Two ZeRO-2 variants show what survives outside the plain case: ``zero2_compile`` runs the model
 through ``torch.compile`` (inductor) and ``zero2_unused`` adds one parameter that never gets a
-gradient, placed where the first-guess reduce order expects the first gradient.
+gradient, placed where the first-guess reduce order expects the first gradient. Two optional
+layer-3 rows, not in ``make bench``'s list, run FSDP2 users' compile recipe (``block.compile()`` on
+every block, then ``fully_shard`` each block and the root): ``fsdp2_compile`` (torch's) and
+``zero3_compile`` (ours).
 
     python benchmarks/bench.py --profile zero2 --sizes 40m-short   # where a step's time goes
 """
@@ -67,13 +70,16 @@ IMPLS = {
     "fsdp1": "torch FSDP1 FULL_SHARD",
     "zero3": "sharded fully_shard (ZeRO-3)",
     "zero3_grad_op": "sharded FSDP SHARD_GRAD_OP",
+    "fsdp2_compile": "torch fully_shard, blocks compiled",
+    "zero3_compile": "sharded fully_shard, blocks compiled",
 }
 SHORT_NAMES = {"ddp": "DDP", "torch_zero": "torch ZeRO\n+ DDP", "fairscale": "fairscale\nOSS + SDP",
                "zero1": "sharded\nOSS + DDP", "zero2": "sharded\nOSS + SDP",
                "zero2_fp16": "sharded SDP\nfp16 wire", "ideal": "ideal",
                "zero2_compile": "sharded SDP\ncompile", "zero2_unused": "sharded SDP\nunused param",
                "fsdp2": "torch\nFSDP2", "fsdp2_no_reshard": "torch FSDP2\nno reshard",
-               "fsdp1": "torch\nFSDP1", "zero3": "sharded\nZeRO-3", "zero3_grad_op": "sharded\nSHARD_GRAD_OP"}
+               "fsdp1": "torch\nFSDP1", "zero3": "sharded\nZeRO-3", "zero3_grad_op": "sharded\nSHARD_GRAD_OP",
+               "fsdp2_compile": "torch FSDP2\ncompiled", "zero3_compile": "sharded ZeRO-3\ncompiled"}
 # which ZeRO stage each implementation is, for the bytes-per-parameter table
 STAGES = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}
 # "-short" sizes run 32 tokens per rank: the step is then optimizer and communication work, as it is
@@ -156,10 +162,13 @@ def build_fully_sharded(impl: str, model: nn.Module):
 
         model = FullyShardedDataParallel(model, sharding_strategy=ShardingStrategy.SHARD_GRAD_OP, auto_wrap_policy={Block})
     else:
-        if impl == "zero3":
+        if impl.startswith("zero3"):
             from sharded import fully_shard
         else:
             from torch.distributed.fsdp import fully_shard
+        if impl.endswith("_compile"):  # FSDP2's recipe: compile each block (inductor), then shard
+            for block in model.blocks:
+                block.compile()
         for block in model.blocks:
             fully_shard(block, reshard_after_forward=impl != "fsdp2_no_reshard")
         fully_shard(model, reshard_after_forward=impl != "fsdp2_no_reshard")
@@ -424,7 +433,8 @@ def print_table(report, world) -> None:
 
 
 # the torch FSDP2 run with the same strategy as each layer-3 run
-SAME_STRATEGY = {"zero3": "fsdp2", "zero3_grad_op": "fsdp2_no_reshard", "fsdp1": "fsdp2"}
+SAME_STRATEGY = {"zero3": "fsdp2", "zero3_grad_op": "fsdp2_no_reshard", "fsdp1": "fsdp2",
+                 "zero3_compile": "fsdp2_compile"}
 
 
 def fsdp2_ratio(rows, impl) -> str:

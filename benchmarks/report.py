@@ -16,7 +16,7 @@ from pathlib import Path
 
 from bench import IMPLS, SAME_STRATEGY, STAGES, ratios_to_ideal, sent_per_model, zero_formula
 
-LAYER_3 = {"fsdp2", "fsdp2_no_reshard", "fsdp1", "zero3", "zero3_grad_op"}
+LAYER_3 = {"fsdp2", "fsdp2_no_reshard", "fsdp1", "zero3", "zero3_grad_op", "fsdp2_compile", "zero3_compile"}
 
 
 def mib(values: list[float]) -> str:
