@@ -26,7 +26,10 @@ difference to DDP after the same batches: a fast but wrong result shows.
 
 Two ZeRO-2 variants show what survives outside the plain case: ``zero2_compile`` runs the model
 through ``torch.compile`` (inductor) and ``zero2_unused`` adds one parameter that never gets a
-gradient, placed where the first-guess reduce order expects the first gradient.
+gradient, placed where the first-guess reduce order expects the first gradient. Two optional
+layer-3 rows, not in ``make bench``'s list, run FSDP2 users' compile recipe (``block.compile()`` on
+every block, then ``fully_shard`` each block and the root): ``fsdp2_compile`` (torch's) and
+``zero3_compile`` (ours).
 
 The ``ds_zero1/2/3`` rows are DeepSpeed's ZeRO (``pip install -e '.[bench]'``): fp32, torch's Adam,
 ``zero_optimization.stage`` 1, 2, 3, no gradient clipping, on its CPU accelerator
@@ -79,6 +82,8 @@ IMPLS = {
     "ds_zero1": "DeepSpeed ZeRO-1 + torch Adam",
     "ds_zero2": "DeepSpeed ZeRO-2 + torch Adam",
     "ds_zero3": "DeepSpeed ZeRO-3 + torch Adam",
+    "fsdp2_compile": "torch fully_shard, blocks compiled",
+    "zero3_compile": "sharded fully_shard, blocks compiled",
 }
 SHORT_NAMES = {"ddp": "DDP", "torch_zero": "torch ZeRO\n+ DDP", "fairscale": "fairscale\nOSS + SDP",
                "zero1": "sharded\nOSS + DDP", "zero2": "sharded\nOSS + SDP",
@@ -86,7 +91,8 @@ SHORT_NAMES = {"ddp": "DDP", "torch_zero": "torch ZeRO\n+ DDP", "fairscale": "fa
                "zero2_compile": "sharded SDP\ncompile", "zero2_unused": "sharded SDP\nunused param",
                "fsdp2": "torch\nFSDP2", "fsdp2_no_reshard": "torch FSDP2\nno reshard",
                "fsdp1": "torch\nFSDP1", "zero3": "sharded\nZeRO-3", "zero3_grad_op": "sharded\nSHARD_GRAD_OP",
-               "ds_zero1": "DeepSpeed\nZeRO-1", "ds_zero2": "DeepSpeed\nZeRO-2", "ds_zero3": "DeepSpeed\nZeRO-3"}
+               "ds_zero1": "DeepSpeed\nZeRO-1", "ds_zero2": "DeepSpeed\nZeRO-2", "ds_zero3": "DeepSpeed\nZeRO-3",
+               "fsdp2_compile": "torch FSDP2\ncompiled", "zero3_compile": "sharded ZeRO-3\ncompiled"}
 # which ZeRO stage each implementation is, for the bytes-per-parameter table
 STAGES = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}
 # DeepSpeed's rows (the `bench` extra) and their zero_optimization.stage
@@ -173,10 +179,13 @@ def build_fully_sharded(impl: str, model: nn.Module):
 
         model = FullyShardedDataParallel(model, sharding_strategy=ShardingStrategy.SHARD_GRAD_OP, auto_wrap_policy={Block})
     else:
-        if impl == "zero3":
+        if impl.startswith("zero3"):
             from sharded import fully_shard
         else:
             from torch.distributed.fsdp import fully_shard
+        if impl.endswith("_compile"):  # FSDP2's recipe: compile each block (inductor), then shard
+            for block in model.blocks:
+                block.compile()
         for block in model.blocks:
             fully_shard(block, reshard_after_forward=impl != "fsdp2_no_reshard")
         fully_shard(model, reshard_after_forward=impl != "fsdp2_no_reshard")
@@ -557,7 +566,8 @@ def peak_of(row: dict) -> list[float]:
 
 
 # the torch FSDP2 run with the same strategy as each layer-3 run
-SAME_STRATEGY = {"zero3": "fsdp2", "zero3_grad_op": "fsdp2_no_reshard", "fsdp1": "fsdp2"}
+SAME_STRATEGY = {"zero3": "fsdp2", "zero3_grad_op": "fsdp2_no_reshard", "fsdp1": "fsdp2",
+                 "zero3_compile": "fsdp2_compile"}
 
 
 def fsdp2_ratio(rows, impl) -> str:

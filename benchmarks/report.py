@@ -16,7 +16,7 @@ from pathlib import Path
 
 from bench import IMPLS, SAME_STRATEGY, STAGES, peak_of, ratios_to_ideal, sent_per_model, zero_formula
 
-LAYER_3 = {"fsdp2", "fsdp2_no_reshard", "fsdp1", "zero3", "zero3_grad_op", "ds_zero3"}
+LAYER_3 = {"fsdp2", "fsdp2_no_reshard", "fsdp1", "zero3", "zero3_grad_op", "ds_zero3", "fsdp2_compile", "zero3_compile"}
 # DeepSpeed's row at the same ZeRO stage as each of ours
 SAME_STAGE = {"zero1": "ds_zero1", "zero2": "ds_zero2", "zero3": "ds_zero3"}
 

@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_leaves
 from . import _comm
 from ._broadcast import PendingBroadcasts, plan_broadcasts, start_broadcasts
 from ._checks import check_same_across_ranks
+from ._compile_split import split_bytes_for, split_compiled_graphs
 from ._grad_router import BackwardStats, GradRouter
 from ._norm import clip_by_global_norm
 from .oss import OSS
@@ -77,6 +78,8 @@ class ShardedDataParallel(nn.Module):
         self.reduce_fp16 = reduce_fp16
         self.warn_on_trainable_params_changed = warn_on_trainable_params_changed
         self._warned_trainability_change = False
+        # bytes of parameters per graph when Dynamo compiles the module (see forward)
+        self._split_bytes = split_bytes_for(reduce_buffer_size, list(module.parameters()))
         # DDP's switch: False makes the next forward's backward accumulate locally (no_sync).
         self.require_backward_grad_sync = True
 
@@ -95,8 +98,15 @@ class ShardedDataParallel(nn.Module):
 
     # --------------------------------------------------------------------------- forward
 
+    @torch.compiler.disable(recursive=False)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        """Refresh after ``requires_grad`` changes, sync buffers, run the wrapped module."""
+        """Refresh after ``requires_grad`` changes, sync buffers, run the wrapped module.
+
+        Dynamo never traces this method itself (as it never traces DDP's): under
+        ``torch.compile`` of the wrapper or of the module, only the module is compiled, split
+        into bucket-sized graphs so that reduces overlap the compiled backward (see
+        :mod:`sharded._compile_split`).
+        """
         if self.auto_refresh_trainable and self._trainability_changed():
             self._warn_trainability_changed_once()
             self.refresh_trainable()
@@ -106,7 +116,8 @@ class ShardedDataParallel(nn.Module):
         # As with DDP, the forward decides whether its backward reduces: a forward run inside
         # no_sync() accumulates even if backward is called after the context has closed.
         self._router.sync_enabled = self.require_backward_grad_sync
-        outputs = self.module(*inputs, **kwargs)
+        with split_compiled_graphs(self._split_bytes):
+            outputs = self.module(*inputs, **kwargs)
         if self.require_backward_grad_sync and torch.is_grad_enabled():
             self._mark_backward_start_on(outputs)
         return outputs

@@ -30,9 +30,23 @@ __all__ = [
 def install_forward_hooks(module: nn.Module, pre_forward: Callable, post_forward: Callable) -> None:
     """Call ``pre_forward(args, kwargs) -> (args, kwargs)`` before ``module``'s forward (ahead
     of other pre-hooks, so they see unsharded parameters) and ``post_forward(output) -> output``
-    after it."""
-    module.register_forward_pre_hook(lambda _m, args, kwargs: pre_forward(args, kwargs), prepend=True, with_kwargs=True)
-    module.register_forward_hook(lambda _m, _args, output: post_forward(output))
+    after it.
+
+    Dynamo never traces the hooks (as torch's FSDP2 keeps it out of its own): a module compiled
+    in place (``module.compile()``) runs its hooks inside the compiled call, and tracing the
+    collectives and bookkeeping there would only cut the module's graph into many.
+    """
+
+    @torch.compiler.disable
+    def pre_hook(_module: nn.Module, args: Any, kwargs: Any) -> Any:
+        return pre_forward(args, kwargs)
+
+    @torch.compiler.disable
+    def post_hook(_module: nn.Module, _args: Any, output: Any) -> Any:
+        return post_forward(output)
+
+    module.register_forward_pre_hook(pre_hook, prepend=True, with_kwargs=True)
+    module.register_forward_hook(post_hook)
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
