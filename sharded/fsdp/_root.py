@@ -12,7 +12,7 @@ waits for every gradient in flight, and returns the units to rest.
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -140,13 +140,16 @@ class Root:
             self.in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
-    def add_reduction(self, reduction: Reduction) -> None:
+    def add_reduction(self, start: Callable[[], Reduction]) -> None:
+        """Start a unit's reduction (``start()`` packs its gradients and sends them), finishing
+        the oldest in flight first when the limit is reached: their send buffers are freed
+        before the new one is allocated, not after."""
         for older in self._reductions:
             if older.hybrid:  # its scatter done, start its all-reduce
                 older.advance()
-        self._reductions.append(reduction)
-        while len(self._reductions) > self._max_in_flight():
+        while self._reductions and len(self._reductions) >= self._max_in_flight():
             self._reductions.pop(0).finish()
+        self._reductions.append(start())
 
     def _max_in_flight(self) -> int:
         """``set_reduce_scatter_max_input_buffers``: the largest any unit asked for."""

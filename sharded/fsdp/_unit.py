@@ -333,7 +333,7 @@ class Unit:
         trainable = [sp for sp in self.params if sp.requires_grad]
         if trainable and self._sync_this_backward:
             grads = [sp.take_unsharded_grad(self.reduce_dtype) for sp in trainable]
-            self.running_root.add_reduction(self._start_reduction(trainable, grads))
+            self.running_root.add_reduction(lambda: self._start_reduction(trainable, grads))
         else:
             for sp in trainable:
                 sp.keep_unsynced(self.reduce_dtype)
