@@ -160,13 +160,22 @@ def reduce_scatter_tensor(
 
     gloo implements the single-tensor form as an all-reduce of a copy of the whole input (twice
     the bytes, plus the copy); its list form is a real reduce-scatter, measured 1.75x faster for
-    4-16 MiB on two CPU ranks, so gloo gets the input's chunks as a list.
+    4-16 MiB on two CPU ranks, so gloo gets the input's chunks as a list. That form copies every
+    chunk (this rank's into ``output``, the others into fresh tensors) before it returns, so
+    ``input`` is free for reuse then (:func:`reduce_scatter_copies_input`).
     """
     if dist.get_backend(group) == dist.Backend.GLOO:
         chunks = list(input.chunk(group_size(group)))
         return dist.reduce_scatter(output, chunks, op=op, group=group, async_op=async_op)
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return scatter(output, input, op=op, group=group, async_op=async_op)
+
+
+def reduce_scatter_copies_input(group: ProcessGroup) -> bool:
+    """Whether :func:`reduce_scatter_tensor` over ``group`` has copied its input by the time it
+    returns (gloo's list form: tests/test_fsdp_memory.py checks it), so the caller may free the
+    input without waiting for the collective."""
+    return dist.get_backend(group) == dist.Backend.GLOO
 
 
 def start_all_reduce(

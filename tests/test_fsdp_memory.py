@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from examples.gpt import GPT
+from sharded import _comm
+from sharded.fsdp._root import MAX_REDUCTIONS_IN_FLIGHT
 from sharded.fsdp._unit import ShardState, units_under
 from tests._fsdp_reference import local_bytes, shard_gpt
 from tests._harness import run_on_ranks
@@ -30,6 +33,28 @@ def _watch_gathered(units):
     return seen
 
 
+def _watch_reductions(units):
+    """Check, as each unit starts its reduction, that it already freed its gathered parameters
+    and that the reductions in flight leave room for it; once started, that its full gradients
+    are gone and no reduction in flight keeps a send buffer gloo has already copied."""
+    started = []
+    for unit in units:
+        start = unit._start_reduction
+
+        def checked(params, grads, unit=unit, start=start):
+            in_flight = unit.running_root._reductions
+            assert len(in_flight) < MAX_REDUCTIONS_IN_FLIGHT, f"{len(in_flight)} reductions in flight as {unit} packs"
+            assert unit.storage.unsharded_bytes() == 0, f"{unit} still gathered as it packs its gradients"
+            reduction = start(params, grads)
+            assert grads == [], f"{unit} kept its full gradients past packing"
+            assert all(r._scatter.sent is None for r in in_flight + [reduction]), "a send buffer outlived its copy"
+            started.append(unit)
+            return reduction
+
+        unit._start_reduction = checked
+    return started
+
+
 def _check_memory(rank, world):
     torch.manual_seed(0)
     model = shard_gpt(GPT(vocab=128, dim=64, layers=4, heads=4, seq=16))
@@ -37,6 +62,7 @@ def _check_memory(rank, world):
     units = units_under(model)
     root = units[0]
     during = _watch_gathered(units)
+    reduced = _watch_reductions(units)
     for step in range(2):
         optimizer.zero_grad()
         loss = gpt_loss(model, token_batch(rank, step, vocab=128))
@@ -51,6 +77,7 @@ def _check_memory(rank, world):
         largest = max(gathered_bytes for _, gathered_bytes in during)
         assert largest <= root.storage.unsharded_bytes() + 2 * block_bytes, f"{largest} bytes gathered at once"
         optimizer.step()
+    assert len(reduced) == 2 * len(units), f"{len(reduced)} reductions seen"
     assert all(u.shard_state is ShardState.SHARDED for u in units), "a unit stayed gathered at rest"
     params = list(model.parameters())
     state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
@@ -64,6 +91,23 @@ def _check_memory(rank, world):
     padding = sum(16 * (sp.geometry.slot_numel - sp.geometry.numel / world) for u in units for sp in u.params)
     flags = 4 * len(params)
     assert held <= 1.05 * full / world + padding + flags + steps, f"rank {rank} holds {held} bytes, full/N is {full / world:.0f}"
+
+
+def _check_gloo_copies_reduce_scatter_input(rank, world):
+    base = torch.arange(world * 4, dtype=torch.float32)
+    sent = base * (rank + 1)
+    expected = base.view(world, 4)[rank] * (world + 1) / 2  # the average of rank + 1 over the ranks
+    received = torch.empty(4)
+    work = _comm.reduce_scatter_tensor(received, sent, dist.group.WORLD, dist.ReduceOp.AVG)
+    assert _comm.reduce_scatter_copies_input(dist.group.WORLD)
+    sent.fill_(float("nan"))  # what fully_shard may do once the call returned: free it
+    work.wait()
+    assert torch.equal(received, expected), (received, expected)
+
+
+def test_gloo_reduce_scatter_has_copied_its_input_when_it_returns():
+    """fully_shard frees a reduction's send buffer as soon as the collective returns, on gloo."""
+    run_on_ranks(_check_gloo_copies_reduce_scatter_input, 2)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

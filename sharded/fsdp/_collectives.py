@@ -93,4 +93,7 @@ def start_reduce_scatter(
     output = new_buffer(sent.numel() // world, sent.dtype, sent.device, comm)
     if comm is not None:
         return PendingReduceScatter(comm(output, sent, group, op, async_op=True), output, sent)
-    return PendingReduceScatter(_comm.reduce_scatter_tensor(output, sent, group, op, async_op=True), output, sent)
+    work = _comm.reduce_scatter_tensor(output, sent, group, op, async_op=True)
+    # a send buffer the collective has already copied is not kept: the largest buffer of a
+    # reduction in flight is freed as soon as it was consumed
+    return PendingReduceScatter(work, output, None if _comm.reduce_scatter_copies_input(group) else sent)

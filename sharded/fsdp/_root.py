@@ -12,7 +12,7 @@ waits for every gradient in flight, and returns the units to rest.
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -27,11 +27,11 @@ __all__ = ["Root"]
 
 logger = logging.getLogger(__name__)
 
-# Reductions allowed in flight: a unit's reduce-scatter overlaps the next unit's backward and is
-# waited for once that unit's own has started, as torch's default keeps one input buffer
-# (set_reduce_scatter_max_input_buffers(1)). With two, a backward that outran the communication
-# held a third send buffer: the peak of the 67M-parameter MLP at world 3 rose by 27 MiB (6 %)
-# on a loaded machine, and the estimate could not say which to expect.
+# Reductions allowed in flight before the oldest is waited for (before the next unit packs its
+# gradients): bounds the memory their buffers hold while still letting a reduce-scatter overlap
+# the next unit's backward. 1, as FSDP2's default input buffers: with 2, a backward that outran
+# the link held more buffers, and the peak depended on timing (+27 MiB on the 67M-parameter MLP
+# at world 3 on a loaded machine).
 MAX_REDUCTIONS_IN_FLIGHT = 1
 
 
@@ -145,13 +145,16 @@ class Root:
             self.in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
-    def add_reduction(self, reduction: Reduction) -> None:
+    def add_reduction(self, start: Callable[[], Reduction]) -> None:
+        """Start a unit's reduction (``start()`` packs its gradients and sends them), finishing
+        the oldest in flight first when the limit is reached: their send buffers are freed
+        before the new one is allocated, not after."""
         for older in self._reductions:
             if older.hybrid:  # its scatter done, start its all-reduce
                 older.advance()
-        self._reductions.append(reduction)
-        while len(self._reductions) > self._max_in_flight():
+        while self._reductions and len(self._reductions) >= self._max_in_flight():
             self._reductions.pop(0).finish()
+        self._reductions.append(start())
 
     def _max_in_flight(self) -> int:
         """``set_reduce_scatter_max_input_buffers``: the largest any unit asked for."""

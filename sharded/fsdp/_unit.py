@@ -369,25 +369,28 @@ class Unit:
         """Send the unit's gradients (or keep them locally with sync off), then reshard."""
         self.training_state = TrainingState.POST_BACKWARD
         trainable = [sp for sp in self.params if sp.requires_grad]
-        if trainable and self._sync_this_backward:
-            grads = [sp.take_unsharded_grad(self.reduce_dtype) for sp in trainable]
-            self.running_root.add_reduction(self._start_reduction(trainable, grads))
-        else:
+        sending = bool(trainable) and self._sync_this_backward
+        grads = [sp.take_unsharded_grad(self.reduce_dtype) for sp in trainable] if sending else []
+        if not sending:
             for sp in trainable:
                 sp.keep_unsynced(self.reduce_dtype)
-        if self.reshard_after_backward:
+        if self.reshard_after_backward:  # first: the gathered parameters go before the send buffer comes
             self.reshard()
+        if sending:
+            self.running_root.add_reduction(lambda: self._start_reduction(trainable, grads))
         if self.backward_prefetch_timing is BackwardPrefetch.BACKWARD_POST:
             self.running_root.prefetch_backward(self)
 
     def _start_reduction(self, params: list[ShardedParam], grads: list[Optional[torch.Tensor]]) -> Reduction:
         """Pack the full ``grads`` of ``params`` (``None`` where this rank has none), scale them
-        and start reduce-scattering them, as the all-gather's mirror image."""
+        and start reduce-scattering them, as the all-gather's mirror image. Empties ``grads``
+        once packed: the full gradients are freed before the collective runs."""
         settings, world = self._reduce_settings(), self.mesh_info.shard_world
         dtype, device, comm = self.reduce_dtype, self.device, settings.comm
         self.streams.reduce_scatter_after_compute([g for g in grads if g is not None])
         with self.streams.on_reduce_scatter(), record_function(self.labels.reduce_scatter):
             sent, layout = pack_gradients(params, grads, world, lambda numel: new_buffer(numel, dtype, device, comm))
+            grads.clear()
             settings.plan.scale_sent(sent)
             group = self.reduce_scatter_group or self.mesh_info.shard_group
             scatter = start_reduce_scatter(sent, group, world, settings.plan.scatter_op, comm)
