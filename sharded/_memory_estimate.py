@@ -142,11 +142,15 @@ def estimate_memory(
     if stage == 3:
         from ._memory_zero3 import zero3_layout
 
-        layout = zero3_layout(model, world_size, wrap, mixed_precision, reshard_after_forward, device)
+        layout = zero3_layout(model, world_size, wrap, mixed_precision, reshard_after_forward, device, activations)
+        # ZeRO-3's walk places the activations itself; the peak is the backward after the first
+        # step, by when the process has paid its runtime bytes
+        in_backward = layout.backward_bytes + runtime_bytes
     else:
         layout = _replicated_layout(model, params, world_size, stage)
+        in_backward = layout.backward_bytes + activations
     trial = optimizer_trial(optimizer, kwargs, layout.optimizer_shapes)
-    backward = layout.parameters + trial.state_bytes + layout.backward_bytes + activations
+    backward = layout.parameters + trial.state_bytes + in_backward
     step = layout.parameters + layout.gradients + layout.held_in_step + trial.state_bytes + trial.step_bytes + runtime_bytes
     build = layout.build_bytes if built_whole else layout.parameters + layout.largest_unit_bytes
     phases = {"build": build, "backward": backward, "optimizer step": step}

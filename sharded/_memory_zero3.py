@@ -29,7 +29,8 @@ class UnitSize:
 
 
 def zero3_layout(
-    model: nn.Module, world: int, wrap: Any, mixed_precision: Any, reshard_after_forward: bool, device: torch.device
+    model: nn.Module, world: int, wrap: Any, mixed_precision: Any, reshard_after_forward: bool, device: torch.device,
+    activations: int,
 ) -> Layout:
     """The busiest rank's ZeRO-3 layout (rank 0: it holds the most real rows of every parameter)."""
     param_dtype = getattr(mixed_precision, "param_dtype", None)
@@ -38,29 +39,8 @@ def zero3_layout(
     for module, params in _units(model, wrap):
         units.append(_unit_size(params, world, param_dtype, is_root=module is model))
         shapes.extend(_rank0_shape(p, world) for p in params if p.requires_grad)
-    children = sorted((u.gathered_bytes for u in units if not u.is_root), reverse=True)
-    root = sum(u.gathered_bytes for u in units if u.is_root)
-    largest_full = max(u.full_bytes for u in units)
-    sending = max(u.gathered_bytes for u in units)  # the reduce-scatter's input: every rank's rows
-    if reshard_after_forward:
-        # the root, the unit computing, the one prefetched, and the prefetched one's all-gather
-        # output, alive beside its unsharded buffer while it is copied out
-        gathered = root + sum(children[:2]) + (children[0] if children else 0)
-    else:
-        gathered = root + sum(children)  # SHARD_GRAD_OP: every unit stays gathered until its backward
-    # The reduce-scatters' send buffers alive at once (set_reduce_scatter_max_input_buffers).
-    communication = gathered + ZERO3_REDUCTIONS_IN_FLIGHT * sending
-    if device.type == "cpu" and world > 1:
-        # gloo stages each collective through a full-size buffer of its own. Its all-gather
-        # (ProcessGroupGloo's AsyncAllgatherWork, which all_gather_into_tensor reaches) gathers
-        # into a new flat tensor shaped like the output and then copies it into the caller's:
-        # one more gathered unit while a gather is in flight. Its reduce-scatter of the input's
-        # chunks (the list form _comm uses on gloo) holds one more copy of the whole input:
-        # measured, consistent with it flattening the chunk list into one buffer (that side not
-        # read in the source). Measured peaks on the MLP and GPT of
-        # tests/test_memory_estimate.py, world 2 and 3, sit these two buffers above the ones
-        # above. Applied on CPU only (NCCL gathers and reduces into the caller's buffers).
-        communication += sending + (children[0] if children else root)
+    staged = device.type == "cpu" and world > 1
+    backward, communication = _backward_walk(units, world, reshard_after_forward, staged, activations)
     shard = sum(u.shard_bytes for u in units)
     grads = sum(u.grad_bytes for u in units)
     full = sum(u.full_bytes for u in units)
@@ -72,16 +52,67 @@ def zero3_layout(
         parameters=shard,
         gradients=grads,
         communication=communication,
-        # gradients so far, the gathered units, the unit's full gradient and the send buffer
-        backward_bytes=grads + communication + largest_full,
+        backward_bytes=backward,
         held_in_step=0,
         build_bytes=full + shard,
-        largest_unit_bytes=largest_full,
+        largest_unit_bytes=max(u.full_bytes for u in units),
         optimizer_shapes=shapes,
         bytes_sent=int(sent),
         collectives=(gathers + len(units)) if world > 1 else 0,
         largest_share=shard / max(1, full),
     )
+
+
+def _backward_walk(
+    units: list[UnitSize], world: int, reshard_after_forward: bool, staged: bool, activations: int
+) -> tuple[int, int]:
+    """The most bytes of gradients and communication buffers alive at once during backward, and
+    the communication part of that moment, walking the units in backward order (children last
+    to first, the root's reduction at the end).
+
+    While a unit computes its gradients, a rank holds: the sharded gradients of the units done,
+    the root's parameters and gradients (gathered all backward), the unit's gathered parameters
+    and its full gradients, the next unit's parameters being prefetched, and what the previous
+    unit's reduce-scatter still holds (at most ``ZERO3_REDUCTIONS_IN_FLIGHT`` of them). The unit
+    then frees its gathered parameters before it packs its gradients into the send buffer, so
+    packing holds no more than computing did. The activations (the trial's peak) are all alive
+    as backward starts and leave unit by unit: a share ``(n - i) / n`` at the ``i``-th of ``n``.
+
+    ``staged`` (CPU, gloo): an all-gather in flight holds gloo's own output-sized buffer beside
+    ours (it gathers into a new flat tensor, then copies out), so a prefetch counts twice; a
+    reduce-scatter copies its input before the call returns (the send buffer is freed then)
+    and holds the other ranks' chunks, ``(world - 1) / world`` of it, until it completes. With
+    NCCL the send buffer itself stays until the reduction is waited for.
+    """
+    children = [u for u in units if not u.is_root]
+    root = next(u for u in units if u.is_root)
+    order = list(reversed(children))
+
+    def in_flight(u: UnitSize) -> int:
+        return ZERO3_REDUCTIONS_IN_FLIGHT * (u.gathered_bytes * (world - 1) // world if staged else u.gathered_bytes)
+
+    def prefetching(u: UnitSize) -> int:
+        return u.gathered_bytes * (2 if staged else 1)
+
+    held_root = root.gathered_bytes + root.full_bytes
+    peak, comm_at_peak, done_grads = (activations, 0, 0) if not order else (0, 0, 0)
+    previous: UnitSize | None = None
+    for i, unit in enumerate(order):
+        if reshard_after_forward:
+            gathered = unit.gathered_bytes + (prefetching(order[i + 1]) if i + 1 < len(order) else 0)
+        else:  # SHARD_GRAD_OP: every unit not yet reached stays gathered
+            gathered = sum(u.gathered_bytes for u in order[i:])
+        comm = gathered + (in_flight(previous) if previous else 0)
+        moment = done_grads + held_root + unit.full_bytes + comm + activations * (len(order) - i) // len(order)
+        if moment > peak:
+            peak, comm_at_peak = moment, comm + root.gathered_bytes
+        done_grads += unit.grad_bytes
+        previous = unit
+    comm = root.gathered_bytes + (in_flight(previous) if previous else 0) + root.gathered_bytes  # the root's send
+    moment = done_grads + root.full_bytes + comm
+    if moment > peak:
+        peak, comm_at_peak = moment, comm
+    return peak, comm_at_peak
 
 
 def _units(model: nn.Module, wrap: Any) -> list[tuple[nn.Module, list[nn.Parameter]]]:
