@@ -59,6 +59,7 @@ IMPLS = {
     "fairscale": "fairscale OSS + ShardedDDP",
     "zero1": "sharded OSS + DDP",
     "zero2": "sharded OSS + ShardedDDP",
+    "zero2_overlap": "sharded OSS + SDP, overlapped broadcast",
     "zero2_fp16": "sharded OSS + SDP, fp16 on the wire",
     "zero2_compile": "sharded OSS + SDP, torch.compile",
     "zero2_unused": "sharded OSS + SDP, 1 unused parameter",
@@ -138,7 +139,8 @@ def build(impl: str, model: nn.Module):
         return DDP(model), opt, True, opt.optim
     if impl == "zero2_compile":
         model = torch.compile(model)
-    return ShardedDataParallel(model, opt, reduce_fp16=fp16_wire), opt, True, opt.optim
+    overlap = impl == "zero2_overlap"
+    return ShardedDataParallel(model, opt, reduce_fp16=fp16_wire, overlap_param_broadcast=overlap), opt, True, opt.optim
 
 
 def build_fully_sharded(impl: str, model: nn.Module):
@@ -181,6 +183,8 @@ def full_named_params(impl: str, wrapped: nn.Module, model: nn.Module) -> dict[s
 
         with FSDP1.summon_full_params(wrapped):
             return {name: p.detach().clone() for name, p in model.named_parameters()}
+    if hasattr(wrapped, "wait_for_params"):  # overlapped broadcasts still in flight after the last step
+        wrapped.wait_for_params()
     return {name: p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for name, p in model.named_parameters()}
 
 
