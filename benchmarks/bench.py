@@ -71,7 +71,7 @@ IMPLS = {
 }
 SHORT_NAMES = {"ddp": "DDP", "torch_zero": "torch ZeRO\n+ DDP", "fairscale": "fairscale\nOSS + SDP",
                "zero1": "sharded\nOSS + DDP", "zero2": "sharded\nOSS + SDP",
-               "zero2_fp16": "sharded SDP\nfp16 wire", "ideal": "ideal",
+               "zero2_fp16": "sharded SDP\nfp16 wire", "ideal": "ideal", "zero2_overlap": "sharded SDP\noverlap bcast",
                "zero2_compile": "sharded SDP\ncompile", "zero2_unused": "sharded SDP\nunused param",
                "fsdp2": "torch\nFSDP2", "fsdp2_no_reshard": "torch FSDP2\nno reshard",
                "fsdp1": "torch\nFSDP1", "zero3": "sharded\nZeRO-3", "zero3_grad_op": "sharded\nSHARD_GRAD_OP"}

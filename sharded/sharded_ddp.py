@@ -56,7 +56,8 @@ class ShardedDataParallel(nn.Module):
             on their way, and have each module wait for its own just before its next forward
             runs (or ``state_dict()`` reads it), hiding the broadcasts behind the forward.
             Parameters read any other way in between need :meth:`wait_for_params` first
-            (``parameters()`` and ``named_parameters()`` of this wrapper wait by themselves).
+            (``parameters()`` and ``named_parameters()`` of this wrapper wait by themselves),
+            and so does a forward that reads another module's parameters without calling it.
     """
 
     def __init__(
