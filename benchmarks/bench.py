@@ -71,6 +71,7 @@ IMPLS = {
     "fairscale": "fairscale OSS + ShardedDDP",
     "zero1": "sharded OSS + DDP",
     "zero2": "sharded OSS + ShardedDDP",
+    "zero2_overlap": "sharded OSS + SDP, overlapped broadcast",
     "zero2_fp16": "sharded OSS + SDP, fp16 on the wire",
     "zero2_compile": "sharded OSS + SDP, torch.compile",
     "zero2_unused": "sharded OSS + SDP, 1 unused parameter",
@@ -87,7 +88,7 @@ IMPLS = {
 }
 SHORT_NAMES = {"ddp": "DDP", "torch_zero": "torch ZeRO\n+ DDP", "fairscale": "fairscale\nOSS + SDP",
                "zero1": "sharded\nOSS + DDP", "zero2": "sharded\nOSS + SDP",
-               "zero2_fp16": "sharded SDP\nfp16 wire", "ideal": "ideal",
+               "zero2_fp16": "sharded SDP\nfp16 wire", "ideal": "ideal", "zero2_overlap": "sharded SDP\noverlap bcast",
                "zero2_compile": "sharded SDP\ncompile", "zero2_unused": "sharded SDP\nunused param",
                "fsdp2": "torch\nFSDP2", "fsdp2_no_reshard": "torch FSDP2\nno reshard",
                "fsdp1": "torch\nFSDP1", "zero3": "sharded\nZeRO-3", "zero3_grad_op": "sharded\nSHARD_GRAD_OP",
@@ -161,7 +162,8 @@ def build(impl: str, model: nn.Module):
         return DDP(model), opt, True, opt.optim
     if impl == "zero2_compile":
         model = torch.compile(model)
-    return ShardedDataParallel(model, opt, reduce_fp16=fp16_wire), opt, True, opt.optim
+    overlap = impl == "zero2_overlap"
+    return ShardedDataParallel(model, opt, reduce_fp16=fp16_wire, overlap_param_broadcast=overlap), opt, True, opt.optim
 
 
 def build_fully_sharded(impl: str, model: nn.Module):
@@ -256,6 +258,8 @@ def full_named_params(impl: str, wrapped: nn.Module, model: nn.Module) -> dict[s
 
         with deepspeed.zero.GatheredParameters(list(model.parameters())):
             return {name: p.detach().clone() for name, p in model.named_parameters()}
+    if hasattr(wrapped, "wait_for_params"):  # overlapped broadcasts still in flight after the last step
+        wrapped.wait_for_params()
     return {name: p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for name, p in model.named_parameters()}
 
 

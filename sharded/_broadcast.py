@@ -104,23 +104,44 @@ def release_residents(old: Sequence[Bucket], keep: Sequence[Bucket]) -> None:
 
 
 class PendingBroadcasts:
-    """Broadcasts in flight; :meth:`wait` completes them and unpacks what was received."""
+    """Broadcasts in flight; :meth:`wait` completes them and unpacks what was received.
+
+    :meth:`wait_for` completes only some buckets (by their position in the started sequence),
+    so a reader can go on as soon as the buckets it needs have arrived.
+    """
 
     def __init__(self, me: int, in_flight: list[tuple[Bucket, torch.Tensor, bool, Any]]) -> None:
         self._me = me
-        self._in_flight = in_flight
+        self._in_flight: list[Optional[tuple[Bucket, torch.Tensor, bool, Any]]] = list(in_flight)
+        self._left = len(in_flight)
+
+    @property
+    def done(self) -> bool:
+        """Whether every broadcast has been waited for."""
+        return self._left == 0
 
     def wait(self) -> None:
-        for bucket, message, in_place, work in self._in_flight:
-            with torch.profiler.record_function("sharded::wait_broadcast"):
-                work.wait()
-            if self._me != bucket.src and not in_place:
-                with torch.profiler.record_function("sharded::unpack_broadcast"):
-                    if bucket.flat is not None:
-                        bucket.flat.copy_(message)
-                    else:
-                        unflatten_into(message, bucket.tensors)
-        self._in_flight = []
+        self.wait_for(range(len(self._in_flight)))
+
+    def wait_for(self, positions: Iterable[int]) -> None:
+        """Complete the broadcasts started at ``positions`` (those already complete are skipped)."""
+        for i in positions:
+            entry = self._in_flight[i]
+            if entry is None:
+                continue
+            self._in_flight[i] = None
+            self._left -= 1
+            self._complete(*entry)
+
+    def _complete(self, bucket: Bucket, message: torch.Tensor, in_place: bool, work: Any) -> None:
+        with torch.profiler.record_function("sharded::wait_broadcast"):
+            work.wait()
+        if self._me != bucket.src and not in_place:
+            with torch.profiler.record_function("sharded::unpack_broadcast"):
+                if bucket.flat is not None:
+                    bucket.flat.copy_(message)
+                else:
+                    unflatten_into(message, bucket.tensors)
 
 
 def start_broadcasts(

@@ -11,14 +11,14 @@ from __future__ import annotations
 import inspect
 import logging
 from collections import defaultdict
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
 from . import _comm
-from ._broadcast import make_resident, plan_broadcasts, release_residents, start_broadcasts
+from ._broadcast import PendingBroadcasts, make_resident, plan_broadcasts, release_residents, start_broadcasts
 from ._checks import as_param_groups, check_optimizer_class, check_param_list, check_same_across_ranks, param_list
 from ._norm import clip_by_global_norm
 from ._partition import Partition
@@ -77,6 +77,10 @@ class OSS(Optimizer):
 
     _partition: Partition  # set once Optimizer.__init__ has added the initial groups
     _broadcasts: tuple = ()
+    _pending: Optional[PendingBroadcasts] = None  # broadcasts step() left in flight
+    # Set by ShardedDataParallel(overlap_param_broadcast=True): step() leaves the broadcasts in
+    # flight, and forward pre-hooks wait for each module's buckets just before it runs.
+    _defer_param_waits = False
 
     def __init__(
         self,
@@ -155,6 +159,7 @@ class OSS(Optimizer):
 
         Collective: every rank must call it. Extra arguments go to the wrapped ``step()``.
         """
+        self.wait_for_params()
         if not self._partition.is_current():
             self._warn_trainability_changed_once()
             self.refresh_trainable()
@@ -166,9 +171,39 @@ class OSS(Optimizer):
             self._plan_broadcasts()  # e.g. module.to(dtype) gave the parameters new storage
         with torch.profiler.record_function("sharded::broadcast_params"):
             wire_dtype = torch.float16 if self.broadcast_fp16 else None
-            buckets = self._broadcasts + self._stepped_frozen_buckets()
-            start_broadcasts(buckets, self.group, wire_dtype).wait()
+            frozen = self._stepped_frozen_buckets()
+            pending = start_broadcasts(self._broadcasts + frozen, self.group, wire_dtype)
+            if self._defer_param_waits and not frozen and not pending.done:
+                self._pending = pending
+            else:
+                pending.wait()
         return loss
+
+    def wait_for_params(self) -> None:
+        """Complete the parameter broadcasts that the last ``step()`` left in flight.
+
+        Only ``ShardedDataParallel(overlap_param_broadcast=True)`` leaves them in flight (its
+        forward waits for each module's parameters just before the module runs); call this
+        before reading parameters any other way between ``step()`` and the next forward.
+        Local (no collective); a no-op when nothing is in flight.
+        """
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.wait()
+
+    def _wait_for_buckets(self, positions: Iterable[int]) -> None:
+        """Complete the broadcasts of the buckets at ``positions`` of the broadcast plan."""
+        pending = self._pending
+        if pending is None:
+            return
+        pending.wait_for(positions)
+        if pending.done:
+            self._pending = None
+
+    def _bucket_positions(self, params: Iterable[torch.Tensor]) -> tuple[int, ...]:
+        """Positions in the broadcast plan of the buckets that hold any of ``params``."""
+        wanted = {id(p) for p in params}
+        return tuple(i for i, b in enumerate(self._broadcasts) if any(id(t) in wanted for t in b.tensors))
 
     def _stepped_frozen_buckets(self) -> tuple:
         """Broadcast buckets for the frozen parameters that their owners just stepped.
@@ -276,12 +311,14 @@ class OSS(Optimizer):
 
     def _plan_broadcasts(self) -> None:
         """Bucket the trainable parameters by owner, each bucket their storage (no copies to send)."""
+        self.wait_for_params()  # the old buckets' values must land before they are replaced
         trainable_by_rank = [
             [self._partition.params[i] for i in self._partition.owned_indices(r, trainable_only=True)]
             for r in range(self.world_size)
         ]
         old = self._broadcasts
-        self._broadcasts = make_resident(plan_broadcasts(trainable_by_rank, self.broadcast_buffer_size))
+        buckets = make_resident(plan_broadcasts(trainable_by_rank, self.broadcast_buffer_size))
+        self._broadcasts = _in_order_of_use(buckets, self._partition.params)
         release_residents(old, keep=self._broadcasts)
 
     def _move_state_to_owners(self, new: Partition) -> None:
@@ -407,3 +444,10 @@ class OSS(Optimizer):
             self._warned_trainability_change = True
 
 
+
+
+def _in_order_of_use(buckets: tuple, params: Sequence[torch.Tensor]) -> tuple:
+    """``buckets`` sorted by their first parameter in ``params`` order (the order a forward
+    usually reads them), so that broadcasts are issued, and arrive, roughly as they are needed."""
+    position = {id(p): i for i, p in enumerate(params)}
+    return tuple(sorted(buckets, key=lambda b: min(position.get(id(t), len(position)) for t in b.tensors)))

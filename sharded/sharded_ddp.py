@@ -23,6 +23,7 @@ from ._checks import check_same_across_ranks
 from ._compile_split import split_bytes_for, split_compiled_graphs
 from ._grad_router import BackwardStats, GradRouter
 from ._norm import clip_by_global_norm
+from ._param_waits import ParamWaits
 from .oss import OSS
 
 __all__ = ["ShardedDataParallel"]
@@ -52,6 +53,12 @@ class ShardedDataParallel(nn.Module):
             re-partition (see :meth:`refresh_trainable`).
         reduce_fp16: reduce fp32 gradients as fp16 (half the bytes); bf16 gradients stay bf16.
         warn_on_trainable_params_changed: log once when an automatic refresh happens.
+        overlap_param_broadcast: let ``OSS.step()`` return with the new parameter values still
+            on their way, and have each module wait for its own just before its next forward
+            runs (or ``state_dict()`` reads it), hiding the broadcasts behind the forward.
+            Parameters read any other way in between need :meth:`wait_for_params` first
+            (``parameters()`` and ``named_parameters()`` of this wrapper wait by themselves),
+            and so does a forward that reads another module's parameters without calling it.
     """
 
     def __init__(
@@ -65,6 +72,7 @@ class ShardedDataParallel(nn.Module):
         auto_refresh_trainable: bool = True,
         reduce_fp16: bool = False,
         warn_on_trainable_params_changed: bool = True,
+        overlap_param_broadcast: bool = False,
     ) -> None:
         super().__init__()
         self.module = module
@@ -95,6 +103,7 @@ class ShardedDataParallel(nn.Module):
             optimizer.register_step_post_hook(self._on_optimizer_step)
         self._router = self._build_router()
         self._trainability = self._current_trainability()
+        self._param_waits = ParamWaits(module, self.sharded_optimizers) if overlap_param_broadcast else None
 
     # --------------------------------------------------------------------------- forward
 
@@ -113,6 +122,8 @@ class ShardedDataParallel(nn.Module):
         if self.broadcast_buffers and self.require_backward_grad_sync:
             self.sync_buffers(blocking=True)
         self._router.before_forward()
+        if self._param_waits is not None:
+            self._param_waits.before_forward()
         # As with DDP, the forward decides whether its backward reduces: a forward run inside
         # no_sync() accumulates even if backward is called after the context has closed.
         self._router.sync_enabled = self.require_backward_grad_sync
@@ -121,6 +132,17 @@ class ShardedDataParallel(nn.Module):
         if self.require_backward_grad_sync and torch.is_grad_enabled():
             self._mark_backward_start_on(outputs)
         return outputs
+
+    def wait_for_params(self) -> None:
+        """Complete the parameter broadcasts the last step left in flight (with
+        ``overlap_param_broadcast``; a no-op otherwise). Local, not collective."""
+        for optimizer in self.sharded_optimizers:
+            optimizer.wait_for_params()
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+        """As ``nn.Module``'s, after the parameters' latest values have arrived."""
+        self.wait_for_params()
+        return super().named_parameters(*args, **kwargs)
 
     def _mark_backward_start_on(self, outputs: Any) -> None:
         """Hook the outputs, so the end-of-backward flush attaches to the backward through them."""
@@ -237,6 +259,9 @@ class ShardedDataParallel(nn.Module):
         ``fit``) would keep reducing gradients for no one. Call it when done with the wrapper.
         """
         self._router.remove_hooks()
+        if self._param_waits is not None:
+            self._param_waits.remove()
+            self._param_waits = None
 
     # --------------------------------------------------------------------- buffers, device
 
@@ -259,6 +284,7 @@ class ShardedDataParallel(nn.Module):
         non_blocking: bool = False,
     ) -> ShardedDataParallel:
         """Move or cast the wrapped module, then rebuild buckets for the new device or dtype."""
+        self.wait_for_params()  # cast the new values, not the ones a broadcast is replacing
         self.module.to(device=device, dtype=dtype, non_blocking=non_blocking)
         self.refresh_trainable()
         return self

@@ -4,7 +4,8 @@ for the interpreter to find at exit while gloo's threads still use its tensors.
 
 The collectives are observed by wrapping torch.distributed's functions (the library looks them
 up at call time): each ``Work`` returned by an ``async_op=True`` call is recorded, and after each
-phase of a step every recorded one must have been waited for.
+phase of a step every recorded one must have been waited for (with ShardedDataParallel's
+``overlap_param_broadcast``, a step's broadcasts by the next forward).
 """
 
 from __future__ import annotations
@@ -113,6 +114,20 @@ def _accumulate_then_sync(track, model, optimizer, no_sync, rank, what):
     track.assert_none_in_flight(f"{what}: step after no_sync")
 
 
+def _overlapped_steps(track, model, optimizer, rank, what="ZeRO-2 overlap_param_broadcast"):
+    """The broadcasts each step leaves in flight are all waited for by the next forward."""
+    for step in range(3):
+        optimizer.zero_grad()
+        x, y = mlp_batch(rank, step)
+        out = model(x)
+        track.assert_none_in_flight(f"{what}: forward {step}")
+        torch.nn.functional.mse_loss(out, y).backward()
+        track.assert_none_in_flight(f"{what}: backward {step}")
+        optimizer.step()
+    model.wait_for_params()
+    track.assert_none_in_flight(f"{what}: wait_for_params after the last step")
+
+
 def _zero3(model: nn.Module, reshard_after_backward: bool, **kwargs) -> nn.Module:
     for child in model.children():
         if any(p.requires_grad for p in child.parameters()):
@@ -133,6 +148,9 @@ def _check_no_work_left(rank, world):
             model = ShardedDataParallel(inner, optimizer, reduce_buffer_size=bucket)
             _steps(track, model, optimizer, rank, f"ZeRO-2 bucket {bucket}", loss_of=torch.nn.functional.mse_loss)
             _accumulate_then_sync(track, model, optimizer, model.no_sync, rank, f"ZeRO-2 bucket {bucket}")
+        inner = mlp()
+        optimizer = OSS(inner.parameters(), torch.optim.SGD, broadcast_buffer_size=40, **sgd)
+        _overlapped_steps(track, ShardedDataParallel(inner, optimizer, overlap_param_broadcast=True), optimizer, rank)
         for reshard_after_backward in (True, False):
             what = f"ZeRO-3 reshard_after_backward={reshard_after_backward}"
             model = _zero3(mlp(), reshard_after_backward)
