@@ -18,7 +18,9 @@ test: $(VENV)/.installed
 	$(BIN)/python -m pytest tests
 
 # MALLOC_MMAP_THRESHOLD_: freed tensors go back to the system, so measured peaks follow live bytes.
+# demo_out/ is the demo's own output, made afresh: its checkpoints are never overwritten in place.
 demo: $(VENV)/.installed
+	rm -rf demo_out
 	MALLOC_MMAP_THRESHOLD_=65536 $(BIN)/torchrun --standalone --nproc-per-node 2 examples/train_gpt.py
 	$(BIN)/python examples/fit_in_budget.py
 
