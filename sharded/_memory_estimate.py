@@ -46,7 +46,6 @@ RUNTIME_BYTES = 24 * 2**20
 STAGE_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb
 OSS_BUCKET_NUMEL = 2**23  # OSS broadcast_buffer_size / ShardedDataParallel reduce_buffer_size
-ZERO3_REDUCTIONS_IN_FLIGHT = 1  # sharded.fsdp._root.MAX_REDUCTIONS_IN_FLIGHT
 
 
 @dataclass(frozen=True)

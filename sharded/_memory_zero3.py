@@ -10,8 +10,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._memory_estimate import ZERO3_REDUCTIONS_IN_FLIGHT, Layout
+from ._memory_estimate import Layout
 from .fsdp._param import ShardGeometry
+from .fsdp._root import MAX_REDUCTIONS_IN_FLIGHT
 from .fsdp.wrap import as_wrap_policy, modules_to_wrap
 
 __all__ = ["zero3_layout"]
@@ -73,9 +74,9 @@ def _backward_walk(
     While a unit computes its gradients, a rank holds: the sharded gradients of the units done,
     the root's parameters and gradients (gathered all backward), the unit's gathered parameters
     and its full gradients, the next unit's parameters being prefetched, and what the previous
-    unit's reduce-scatter still holds (at most ``ZERO3_REDUCTIONS_IN_FLIGHT`` of them). The unit
-    then frees its gathered parameters before it packs its gradients into the send buffer, so
-    packing holds no more than computing did. The activations (the trial's peak) are all alive
+    unit's reduce-scatter still holds (at most ``MAX_REDUCTIONS_IN_FLIGHT``, the wrapper's own
+    limit). The unit then frees its gathered parameters before it packs its gradients into the
+    send buffer, so packing holds no more than computing did. The activations (the trial's peak) are all alive
     as backward starts and leave unit by unit: a share ``(n - i) / n`` at the ``i``-th of ``n``.
 
     ``staged`` (CPU, gloo): an all-gather in flight holds gloo's own output-sized buffer beside
@@ -89,7 +90,7 @@ def _backward_walk(
     order = list(reversed(children))
 
     def in_flight(u: UnitSize) -> int:
-        return ZERO3_REDUCTIONS_IN_FLIGHT * (u.gathered_bytes * (world - 1) // world if staged else u.gathered_bytes)
+        return MAX_REDUCTIONS_IN_FLIGHT * (u.gathered_bytes * (world - 1) // world if staged else u.gathered_bytes)
 
     def prefetching(u: UnitSize) -> int:
         return u.gathered_bytes * (2 if staged else 1)
@@ -108,7 +109,8 @@ def _backward_walk(
             peak, comm_at_peak = moment, comm + root.gathered_bytes
         done_grads += unit.grad_bytes
         previous = unit
-    comm = root.gathered_bytes + (in_flight(previous) if previous else 0) + root.gathered_bytes  # the root's send
+    # the root's reduction, last: its gathered parameters and its send buffer
+    comm = 2 * root.gathered_bytes + (in_flight(previous) if previous else 0)
     moment = done_grads + root.full_bytes + comm
     if moment > peak:
         peak, comm_at_peak = moment, comm
