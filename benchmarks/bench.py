@@ -17,7 +17,8 @@ under way (``overlap``, from ``ShardedDataParallel.backward_stats``); optimizer-
 gradient bytes held on each rank (gradients measured after backward, i.e. after reduction); the
 peak memory of the rank that rose most (a separate short launch per implementation, so peaks
 don't mix, whose ranks start with ``MALLOC_MMAP_THRESHOLD_=65536``: the rise of VmHWM over the
-resident set before the model is built, which then follows live bytes); bytes and calls
+resident set before the model is built, which then follows live bytes, less the file pages of
+library code mapped meanwhile: examples/peak_memory.py); bytes and calls
 communicated per step, counted at the Python collective level as algorithmic bytes per rank
 (ring model: all-reduce moves 2(W-1)/W of its tensor, reduce, broadcast, all-gather and
 reduce-scatter (W-1)/W); DDP's gradient all-reduce runs in its C++ reducer, out of Python's
@@ -44,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import json
 import os
 import platform
@@ -63,6 +63,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from gpt import GPT, next_token_loss  # noqa: E402  (examples/gpt.py: the model every job shares)
+from peak_memory import DataPeak  # noqa: E402
 
 IMPLS = {
     "ideal": "ideal: no communication, 1/N step",
@@ -428,15 +429,16 @@ def ratios_to_ideal(rows: dict) -> None:
 
 
 def memory_rank(rank, world, size, impl, store_path, results_path):
-    """Each rank's peak over a few steps of ``impl``: the rise of its resident set's high-water
-    mark (VmHWM) over its resident set once the libraries are imported, before the model is built."""
+    """Each rank's data peak over a few steps of ``impl`` (examples/peak_memory.py): the rise of
+    its resident set's high-water mark (VmHWM) over its resident set once the libraries are
+    imported, before the model is built, less the file pages of library code mapped meanwhile."""
     device = init_rank(rank, world, store_path)
     import_libraries(impl)
-    start = reset_peak()
+    peak = DataPeak()
     setup = build(impl, make_model(size, device))
     for step in range(3):
         train_step(size, setup, step, rank, device)
-    peaks = gather(status_bytes("VmHWM") - start, device)
+    peaks = gather(peak.rise(), device)
     if rank == 0:
         Path(results_path).write_text(json.dumps(peaks))
     finish_rank()
@@ -451,21 +453,6 @@ def import_libraries(impl: str) -> None:
         import fairscale.optim  # noqa: F401
     else:
         import sharded  # noqa: F401
-
-
-def status_bytes(field: str) -> int:
-    """A ``Vm*`` line of /proc/self/status (VmRSS, VmHWM), in bytes."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field} line")
-
-
-def reset_peak() -> int:
-    """Set VmHWM to the current resident set (``clear_refs`` 5); return that, in bytes."""
-    gc.collect()
-    Path("/proc/self/clear_refs").write_text("5")
-    return status_bytes("VmRSS")
 
 
 def peak_rise(world: int, size: str, impl: str) -> list[float]:

@@ -57,6 +57,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 import torch  # noqa: E402
 
 from gpt import GPT, Block, next_token_loss  # noqa: E402  examples/gpt.py, beside this script
+from peak_memory import DataPeak, status_kib  # noqa: E402
 from sharded import estimate_memory  # noqa: E402
 from sharded.plan import fit_table, parse_bytes, plan  # noqa: E402
 
@@ -206,21 +207,6 @@ def plot_budget(out: Path, rows: list, budget: int) -> None:
 # ------------------------------------------------------------------------------ rank side
 
 
-def vm_kib() -> dict[str, int]:
-    """The ``Vm*`` and ``Rss*`` lines of /proc/self/status, in KiB."""
-    text = Path("/proc/self/status").read_text()
-    return {k: int(v) for k, v in re.findall(r"((?:Vm|Rss)\w+):\s+(\d+) kB", text)}
-
-
-def data_peak(start: dict[str, int]) -> int:
-    """The rise of the resident high-water mark since ``start``, less the file pages mapped since
-    (libtorch's code run for the first time): what RLIMIT_DATA limits. File pages are not given
-    back during a run, so their rise at the end is their rise at the peak. They are not a fixed
-    size: in a fresh clone, with the libraries just written to disk, they rose 50-60 MiB more."""
-    now = vm_kib()
-    return (now["VmHWM"] - start["VmRSS"] - (now["RssFile"] - start["RssFile"])) * 1024
-
-
 def run_name(stage: str, limited: bool) -> str:
     return f"{stage}-{'limited' if limited else 'unlimited'}"
 
@@ -283,10 +269,9 @@ def run_rank(args, stage: str, limited: bool, name: str) -> int:
     store = dist.FileStore(str(out / f"{name}.store"), args.world_size)
     dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world_size,
                             timeout=datetime.timedelta(seconds=args.timeout / 2))
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS: measure the rise from here
-    start = vm_kib()
+    peak = DataPeak()
     if limited:
-        mapped = vm_kib()["VmData"] * 1024
+        mapped = status_kib()["VmData"] * 1024
         resource.setrlimit(resource.RLIMIT_DATA, (mapped + args.budget, resource.getrlimit(resource.RLIMIT_DATA)[1]))
     phase = "building the model"
     result: dict = {}
@@ -316,7 +301,7 @@ def run_rank(args, stage: str, limited: bool, name: str) -> int:
         result = {"status": "oom", "message": (
             f"out of memory during {phase}: {args.budget / 2**20:.0f} MiB per rank is not enough "
             f"(an allocation of {int(wanted.group(1)) / 2**20 if wanted else float('nan'):.1f} MiB failed)")}
-    result["peak"] = data_peak(start)
+    result["peak"] = peak.rise()
     (out / f"{name}-rank{args.rank}.json").write_text(json.dumps(result))
     if result["status"] != "ok":
         return OOM_EXIT  # a peer may still be in a collective the group cannot finish

@@ -49,6 +49,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gpt import GPT, next_token_loss  # examples/gpt.py, beside this script
+from peak_memory import DataPeak
 import sharded
 from sharded import OSS, ShardedDataParallel, ShardedGradScaler, checkpoint, fully_shard
 
@@ -101,7 +102,7 @@ def autocast(args, device):
 
 def train_stage(stage: str, args, device, train: torch.Tensor, val: torch.Tensor) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    reset_peak()
+    peak_meter = DataPeak()
     torch.manual_seed(0)
     model = GPT(VOCAB, args.dim, args.layers, args.heads, args.seq).to(device)
     wrapped, optimizer = build(stage, model, args)
@@ -135,10 +136,10 @@ def train_stage(stage: str, args, device, train: torch.Tensor, val: torch.Tensor
         progress.update()
         tick = now
         if checkpoint_due(step + 1, args):
-            peak = peak_rise() if peak is None else peak  # the steps' peak, not the checkpoint writer's
+            peak = peak_meter.rise() if peak is None else peak  # the steps' peak, not the checkpoint writer's
             save(checkpoints, step + 1, wrapped, optimizer, scaler)
     progress.close()
-    peak = peak_rise() if peak is None else peak
+    peak = peak_meter.rise() if peak is None else peak
     final_val = validation_loss(wrapped, val, args, device)
     local = optimizer.optim if isinstance(optimizer, OSS) else optimizer
     state = held_bytes(v for s in local.state.values() for v in s.values() if torch.is_tensor(v))
@@ -220,28 +221,6 @@ def estimated(stage: str, args) -> "sharded.MemoryEstimate":
         model, world_size=dist.get_world_size(), stage=0 if stage == "ddp" else int(stage), optimizer=torch.optim.AdamW,
         optimizer_kwargs=dict(lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95)), wrap={Block}, built_whole=True,
         example_input=torch.zeros(args.batch, args.seq + 1, dtype=torch.long), loss_fn=next_token_loss)
-
-
-def peak_rise() -> int:
-    """Rise of this process's peak resident set since :func:`reset_peak` (bytes)."""
-    return _vm_kib("VmHWM") * 1024 - _peak_start[0]
-
-
-def reset_peak() -> None:
-    """Start measuring a stage's peak: VmHWM := VmRSS. It follows live tensor bytes when the
-    process started with ``MALLOC_MMAP_THRESHOLD_=65536`` (``make demo`` sets it)."""
-    Path("/proc/self/clear_refs").write_text("5")
-    _peak_start[0] = _vm_kib("VmRSS") * 1024
-
-
-_peak_start = [0]
-
-
-def _vm_kib(key: str) -> int:
-    found = re.search(rf"{key}:\s+(\d+) kB", Path("/proc/self/status").read_text())
-    if found is None:
-        raise RuntimeError(f"/proc/self/status has no {key} line: peak memory is measured on Linux only")
-    return int(found.group(1))
 
 
 def report(results: dict, out: Path, args) -> None:

@@ -7,11 +7,12 @@ wrap and their padded shard slots for ZeRO-3); the optimizer state and the step'
 come from stepping the optimizer itself on meta tensors; activations from a trial forward and
 backward on fake tensors, when an example input is given.
 
-The high-water mark is the larger of two moments of a step: late in backward (parameters,
-optimizer state from the previous step, gradients so far, communication buffers in flight,
-activations) and the optimizer step (parameters, gradients, state, the step's temporaries),
-the latter with a constant ``runtime_bytes`` for what the process itself has allocated by then
-beyond tensors, measured on CPU/gloo (see ``RUNTIME_BYTES``).
+The high-water mark is the largest of three moments: building and wrapping the model; the worst
+moment of a backward once the optimizer state exists (parameters, that state, and, walked
+gradient by gradient, the activations still alive beside the gradients and communication buffers
+the stage holds by then); and the optimizer step (parameters, gradients, state, the step's
+temporaries). The last two add a constant ``runtime_bytes`` for what the process itself has
+allocated by then beyond tensors, measured on CPU/gloo (see ``RUNTIME_BYTES``).
 """
 
 from __future__ import annotations
@@ -22,26 +23,19 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from ._flat import plan_buckets
-from ._memory_trial import activation_trial, optimizer_trial
-from ._partition import Partition
-from ._reduce_plan import plan_reduce_buckets
+from ._memory_trial import ActivationProfile, activation_trial, optimizer_trial
 
 __all__ = ["MemoryEstimate", "estimate_memory", "RUNTIME_BYTES", "STAGE_NAMES"]
 
-# RUNTIME_BYTES: what a CPU rank's resident set gains in its first training step beyond the
-# tensors, so one constant, not a fit per case. Measured on CPU, gloo, torch 2.13, ranks started
-# with MALLOC_MMAP_THRESHOLD_=65536, as the rise of VmHWM over the resident set after `import
-# torch`, init_process_group and the imports DDP and ZeRO-3 make, minus the tensors alive at the
-# peak: 24-26 MiB for DDP and ZeRO-1 on the 67M-parameter MLP of tests/test_memory_estimate.py
-# at world 2 and 3, where the peak is the optimizer step. About 14 MiB of it is file-backed
-# (RssFile rises 13-14 MiB over such a case: pages of libtorch's code and read-only data it
-# runs for the first time); the rest is anonymous (thread stacks, malloc's small-object heaps,
-# autograd and gloo bookkeeping), not broken down further. It is added to the optimizer step
-# only: where the peak is early in the first backward (activation-heavy models) the process has
-# not paid all of it yet and the measured peak is the tensors alone, within 2 %. On CUDA, where
-# max_memory_allocated counts tensors only, pass runtime_bytes=0.
-RUNTIME_BYTES = 24 * 2**20
+# RUNTIME_BYTES: what a CPU rank's data grows by over its first training steps beyond the
+# tensors (malloc's small-object heaps, thread stacks, autograd and gloo bookkeeping). Measured on
+# CPU, gloo, torch 2.13, ranks started with MALLOC_MMAP_THRESHOLD_=65536, as the rise of VmHWM
+# less the rise of RssFile (file pages of torch's own code, which vary with the machine) over the
+# resident set after the imports and init_process_group, minus the tensors alive at the peak:
+# 1.8-2.3 MiB for DDP and ZeRO-1 on the 67M-parameter MLP of tests/test_memory_estimate.py at
+# world 2 and 3, where the peak is the optimizer step. On CUDA, where max_memory_allocated
+# counts tensors only, pass runtime_bytes=0.
+RUNTIME_BYTES = 2 * 2**20
 
 STAGE_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb
@@ -137,19 +131,19 @@ def estimate_memory(
         raise ValueError("estimate_memory: the model has no trainable parameters")
     device = device or _compute_device(model)
     kwargs = dict(optimizer_kwargs or {})
-    activations = _activations(model, example_input, loss_fn, activation_bytes, device, keep_grads=stage < 2)
+    profile = _activation_profile(model, example_input, loss_fn, activation_bytes, device)
+    activations = profile.peak if profile is not None else int(activation_bytes or 0)
     if stage == 3:
         from ._memory_zero3 import zero3_layout
 
         layout = zero3_layout(model, world_size, wrap, mixed_precision, reshard_after_forward, device, activations)
-        # ZeRO-3's walk places the activations itself; the peak is the backward after the first
-        # step, by when the process has paid its runtime bytes
-        in_backward = layout.backward_bytes + runtime_bytes
     else:
-        layout = _replicated_layout(model, params, world_size, stage)
-        in_backward = layout.backward_bytes + activations
+        from ._memory_replicated import replicated_layout
+
+        layout = replicated_layout(model, world_size, stage, profile, activations, device)
     trial = optimizer_trial(optimizer, kwargs, layout.optimizer_shapes)
-    backward = layout.parameters + trial.state_bytes + in_backward
+    # the peak backward is a later step's, by when the process has paid its runtime bytes
+    backward = layout.parameters + trial.state_bytes + layout.backward_bytes + runtime_bytes
     step = layout.parameters + layout.gradients + layout.held_in_step + trial.state_bytes + trial.step_bytes + runtime_bytes
     build = layout.build_bytes if built_whole else layout.parameters + layout.largest_unit_bytes
     phases = {"build": build, "backward": backward, "optimizer step": step}
@@ -175,7 +169,8 @@ def estimate_memory(
 class Layout:
     """What one stage places on its busiest rank, before the optimizer and activations.
 
-    ``backward_bytes``: gradients and communication buffers held at backward's worst moment;
+    ``backward_bytes``: activations, gradients and communication buffers held at backward's
+    worst moment;
     ``held_in_step``: communication buffers still held during the optimizer step (DDP's
     buckets); ``build_bytes``: the most held while the model is built and wrapped.
     """
@@ -198,71 +193,8 @@ def _compute_device(model: nn.Module) -> torch.device:
     return torch.device("cpu") if first.is_meta else first.device
 
 
-def _activations(model, example_input, loss_fn, declared, device, keep_grads: bool) -> int:
-    """Bytes of the trial backward beyond the parameters; gradients count with ``keep_grads``."""
-    if declared is not None:
-        return int(declared)
-    if example_input is None:
-        return 0
-    return activation_trial(model, example_input, loss_fn, device, keep_grads)
-
-
-def _nbytes(p: torch.Tensor) -> int:
-    return p.numel() * p.element_size()
-
-
-def _replicated_layout(model: nn.Module, params: Sequence[torch.Tensor], world: int, stage: int) -> Layout:
-    """DDP, ZeRO-1 and ZeRO-2: every rank holds every parameter."""
-    all_params = list(model.parameters())
-    param_bytes = sum(_nbytes(p) for p in all_params)
-    grad_bytes = sum(_nbytes(p) for p in params)
-    ring = (world - 1) / world
-    if stage == 0:
-        ddp = _ddp_bucket_count(params)
-        return Layout(param_bytes, grad_bytes, grad_bytes, grad_bytes, grad_bytes, 2 * param_bytes, 0,
-                      [(p.shape, p.dtype) for p in params], int(2 * ring * grad_bytes), ddp if world > 1 else 0, 1.0)
-    partition = Partition.build([list(params)], world)
-    loads = partition.trainable_bytes_per_rank()
-    busiest = max(range(world), key=loads.__getitem__)
-    owned = [params[i] for i in partition.owned_indices(busiest, trainable_only=True)]
-    broadcasts = len(plan_buckets(owned, OSS_BUCKET_NUMEL)) if world > 1 else 0
-    share = loads[busiest] / max(1, sum(loads))
-    shapes = [(p.shape, p.dtype) for p in owned]
-    if stage == 1:  # DDP's all-reduce, then the owners' broadcasts
-        calls = (_ddp_bucket_count(params) + _broadcast_count(partition, params)) if world > 1 else 0
-        return Layout(param_bytes, grad_bytes, grad_bytes, grad_bytes, grad_bytes, 2 * param_bytes, 0,
-                      shapes, int(2 * ring * grad_bytes), calls, share)
-    buckets = plan_reduce_buckets(list(reversed(params)), partition.owner_of(), OSS_BUCKET_NUMEL, False)
-    owned_grads = sum(_nbytes(p) for p in owned)
-    in_flight = _reduce_window_bytes(buckets, busiest)
-    calls = (len(buckets) + _broadcast_count(partition, params)) if world > 1 else 0
-    return Layout(param_bytes, owned_grads, in_flight, owned_grads + in_flight, 0, 2 * param_bytes, 0,
-                  shapes, int(2 * ring * grad_bytes), calls, share)
-
-
-def _ddp_bucket_count(params: Sequence[torch.Tensor]) -> int:
-    numel = DDP_BUCKET_BYTES // max(1, params[0].element_size())
-    return len(plan_buckets(list(reversed(params)), numel))
-
-
-def _broadcast_count(partition: Partition, params: Sequence[torch.Tensor]) -> int:
-    """OSS's broadcast buckets per step, summed over the owners (every rank takes part in each)."""
-    index = {p: i for i, p in enumerate(partition.params)}
-    total = 0
-    for rank in range(partition.world_size):
-        owned = [p for p in params if partition.owners[index[p]] == rank]
-        total += len(plan_buckets(owned, OSS_BUCKET_NUMEL))
-    return total
-
-
-def _reduce_window_bytes(buckets, rank: int) -> int:
-    """Most bytes of other owners' reduce buckets a rank holds at once: one window filling
-    while the previous one is still being sent."""
-    windows: list[int] = []
-    for bucket in buckets:
-        if bucket.owner != rank:
-            windows.append(bucket.numel * torch.empty((), dtype=bucket.wire_dtype).element_size())
-    if not windows:
-        return 0
-    largest = sorted(windows, reverse=True)
-    return sum(largest[:2])
+def _activation_profile(model, example_input, loss_fn, declared, device) -> Optional[ActivationProfile]:
+    """The trial's profile of the activations, unless they are declared or there is no input."""
+    if declared is not None or example_input is None:
+        return None
+    return activation_trial(model, example_input, loss_fn, device)

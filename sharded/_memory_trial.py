@@ -5,7 +5,9 @@ takes them off again when they are freed, keeping the high-water mark: run an op
 meta tensors under it and the peak is the step's temporaries, with no memory spent.
 :func:`optimizer_trial` makes an optimizer's state that way (the state's size comes from the
 optimizer itself, so SGD, Adam and factored optimizers are all right); :func:`activation_trial`
-runs a forward and backward of a model copy on fake tensors of the model's compute device.
+runs a forward and backward of a model copy on fake tensors of the model's compute device and
+profiles the bytes alive between one gradient completing and the next, so each stage can add
+what it holds of the gradients at every point of the backward (:class:`ActivationProfile`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from torch.utils._pytree import tree_leaves
 
 from ._optim_state import constructor_kwargs
 
-__all__ = ["LiveBytes", "OptimizerTrial", "optimizer_trial", "activation_trial"]
+__all__ = ["LiveBytes", "OptimizerTrial", "optimizer_trial", "ActivationProfile", "activation_trial"]
 
 # Distinct primes for the dimensions of a probe parameter: a state tensor's shape then tells
 # which of the parameter's dimensions it kept (see _probe_state).
@@ -32,13 +34,20 @@ _PROBE_DIMS = (7, 11, 13, 17, 19, 23)
 
 class LiveBytes(TorchDispatchMode):
     """Counts the bytes of the storages created under it that are still alive; ``peak`` is the
-    most at once. Storages that existed before (parameters, views of them) are not counted."""
+    most at once, ``stretch_peak`` the most since the last :meth:`new_stretch`. Storages that
+    existed before (parameters, views of them) are not counted."""
 
     def __init__(self) -> None:
         super().__init__()
         self.live = 0
         self.peak = 0
+        self.stretch_peak = 0
         self._seen: set[int] = set()
+
+    def new_stretch(self) -> int:
+        """End the current stretch: return its peak and start the next one from what is alive."""
+        ended, self.stretch_peak = self.stretch_peak, self.live
+        return ended
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
@@ -58,6 +67,7 @@ class LiveBytes(TorchDispatchMode):
         self._seen.add(key)
         self.live += nbytes
         self.peak = max(self.peak, self.live)
+        self.stretch_peak = max(self.stretch_peak, self.live)
         weakref.finalize(storage, self._release, key, nbytes)
 
     def _release(self, key: int, nbytes: int) -> None:
@@ -146,38 +156,60 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+@dataclass(frozen=True)
+class ActivationProfile:
+    """The bytes a trial forward and backward creates, with every parameter's gradient dropped
+    as soon as it is complete, so the stages can add back what each of them keeps.
+
+    ``ready_order``: indexes into ``model.parameters()``, in the order their gradients completed.
+    ``stretch_peaks[k]``: the most bytes alive while exactly ``k`` gradients were complete (the
+    forward is in stretch 0; the gradient being computed counts in its stretch).
+    ``live_at_ready[k]``: bytes alive as the ``k``-th gradient (from 0) completed, itself included.
+    """
+
+    ready_order: tuple[int, ...]
+    stretch_peaks: tuple[int, ...]
+    live_at_ready: tuple[int, ...]
+
+    @property
+    def peak(self) -> int:
+        """The activations' high-water mark: the most alive at once with no gradient kept."""
+        return max(self.stretch_peaks)
+
+
 def activation_trial(
     model: nn.Module,
     example_input: Any,
     loss_fn: Optional[Callable[[nn.Module, Any], torch.Tensor]],
     device: torch.device,
-    keep_grads: bool,
-) -> int:
-    """Peak bytes a forward and backward of ``model`` on ``example_input`` creates, on fake
-    tensors of ``device`` (so the device's own kernels are chosen, e.g. its attention).
-
-    The parameters' gradients are counted as they accumulate with ``keep_grads`` (DDP and
-    ZeRO-1 keep them all), else dropped as soon as each is complete (ZeRO-2 and -3 send them
-    away), so what remains is the activations and the backward's temporaries.
-    """
+) -> ActivationProfile:
+    """Profile a forward and backward of ``model`` on ``example_input``, on fake tensors of
+    ``device`` (so the device's own kernels are chosen, e.g. its attention)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     trial = copy.deepcopy(model)
+    order: list[int] = []
+    stretches: list[int] = []
+    at_ready: list[int] = []
     with FakeTensorMode(allow_non_fake_inputs=True) as fake:
         trial.to_empty(device=device)
+        index = {id(p): i for i, p in enumerate(trial.parameters())}
         inputs = [fake.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in _as_args(example_input)]
-        if not keep_grads:
-            for p in trial.parameters():
-                if p.requires_grad:
-                    p.register_post_accumulate_grad_hook(_drop_grad)
         with LiveBytes() as counter:
+
+            def on_ready(p: torch.Tensor) -> None:
+                order.append(index[id(p)])
+                at_ready.append(counter.live)
+                p.grad = None  # the stage decides what it keeps
+                stretches.append(counter.new_stretch())
+
+            handles = [p.register_post_accumulate_grad_hook(on_ready) for p in trial.parameters() if p.requires_grad]
             loss = loss_fn(trial, *inputs) if loss_fn is not None else _default_loss(trial, inputs)
             loss.backward()
-    return counter.peak
-
-
-def _drop_grad(p: torch.Tensor) -> None:
-    p.grad = None
+            stretches.append(counter.new_stretch())
+    for handle in handles:
+        handle.remove()
+    return ActivationProfile(tuple(order), tuple(stretches), tuple(at_ready))
 
 
 def _as_args(example_input: Any) -> list[Any]:

@@ -1,9 +1,11 @@
 """Measured peaks of real training steps, to hold ``sharded.estimate_memory`` against.
 
-A rank's peak is the rise of its resident set's high-water mark (VmHWM) over its resident set
-just before the case builds its model. The ranks must start with ``MALLOC_MMAP_THRESHOLD_=65536``
-(glibc then maps tensors of 64 KiB and more and returns them on free, so the high-water mark
-follows live bytes); glibc reads it when the process starts, so :func:`measure` launches fresh
+A rank's peak is the data it holds at its worst moment (examples/peak_memory.py: VmHWM's rise
+over the resident set just before the case builds its model, less RssFile's, the file pages of
+torch's code, which vary with the machine; forked and fresh processes then agree to 0.1 MiB).
+The ranks must start with ``MALLOC_MMAP_THRESHOLD_=65536`` (glibc then maps tensors of 64 KiB
+and more and returns them on free, so the high-water mark follows live bytes); glibc reads it
+when the process starts, so :func:`measure` launches fresh
 processes rather than forking from the test harness's forkserver. Every case runs in a process
 of its own, forked after the imports (cases run one after another in one process leave memory
 behind that the next would count).
@@ -13,12 +15,10 @@ Run as a script it is one rank slot: ``python tests/_memory_runs.py RANK TMPDIR 
 
 from __future__ import annotations
 
-import gc
 import json
 import os
-import re
-import tempfile
 import subprocess
+import tempfile
 import sys
 from pathlib import Path
 
@@ -28,19 +28,6 @@ ROOT = Path(__file__).resolve().parent.parent
 # completed, so a starved gloo thread leaves more buckets alive): measured 777 MiB instead of
 # 696 for the MLP at world 2 with two jobs at once on a loaded 2-core machine.
 CONCURRENT = 1
-
-
-def status_kib() -> dict[str, int]:
-    """The ``Vm*`` lines of /proc/self/status, in KiB."""
-    text = Path("/proc/self/status").read_text()
-    return {k: int(v) for k, v in re.findall(r"(Vm\w+):\s+(\d+) kB", text)}
-
-
-def reset_peak() -> int:
-    """Reset VmHWM to the current resident set; return that, in bytes."""
-    gc.collect()
-    Path("/proc/self/clear_refs").write_text("5")
-    return status_kib()["VmRSS"] * 1024
 
 
 def measure(jobs: list[tuple[int, str]], timeout: float = 600.0) -> list[dict]:
@@ -122,26 +109,27 @@ def wrap(stage: int, model, unit_class):
     return (DDP(model) if stage == 1 else ShardedDataParallel(model, optimizer)), optimizer
 
 
-def run_case(name: str, stage: int, rank: int) -> int:
-    """The high-water mark in bytes of a training step of ``name`` at ``stage`` and the next
-    step's backward, model build included (what earlier cases left resident is in it too).
+def run_case(name: str, stage: int, rank: int, peak) -> int:
+    """The data peak in bytes (``peak``'s rise, examples/peak_memory.py) of two training steps of
+    ``name`` at ``stage`` and the third step's backward, model build included.
 
-    The first step's optimizer step creates the optimizer state: its peak is every later
-    step's. The second backward is the first with that state alive beside the activations and
-    gradients. A second optimizer step would only repeat the first's peak."""
-    reset_peak()
+    The first optimizer step creates the optimizer state: its peak is every later step's.
+    The third backward is the first of the steady state: DDP re-plans its buckets in the
+    second step's forward by the order the first backward saw, freeing the old ones, so only
+    from the third backward on are its buckets resident from the start beside the activations.
+    A third optimizer step would only repeat the first's peak."""
     model, unit_class = build_model(name)
     wrapped, optimizer = wrap(stage, model, unit_class)
-    for step in range(2):
+    for step in range(3):
         optimizer.zero_grad()
         loss_of(name, wrapped, batch_for(name, rank, step)).backward()
-        if step == 0:
+        if step < 2:
             optimizer.step()
-    peak = status_kib()["VmHWM"] * 1024
+    rise = peak.rise()
     if hasattr(wrapped, "remove_hooks"):
         wrapped.remove_hooks()
     del model, wrapped, optimizer
-    return peak
+    return rise
 
 
 def estimate_case(name: str, stage: int, world: int, **overrides):
@@ -197,13 +185,14 @@ def _groups(jobs: list) -> list[list[tuple[int, int, str]]]:
 def child(rank: int, world: int, case: str, tmp: Path, index: int) -> int:
     import torch.distributed as dist
 
+    from examples.peak_memory import DataPeak
+
     try:
         store = dist.FileStore(str(tmp / f"store{index}"), world)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-        start = reset_peak()
         name, stage = case.split(":")
-        peak = run_case(name, int(stage), rank) - start
-        (tmp / f"job{index}-rank{rank}.json").write_text(json.dumps(peak))
+        rise = run_case(name, int(stage), rank, DataPeak())
+        (tmp / f"job{index}-rank{rank}.json").write_text(json.dumps(rise))
         dist.barrier()
         dist.destroy_process_group()
         return 0

@@ -1,0 +1,174 @@
+"""The DDP, ZeRO-1 and ZeRO-2 layouts for :func:`sharded.estimate_memory`: every rank holds
+every parameter; ZeRO-1 and -2 shard the optimizer state by the partition ``OSS`` builds, and
+ZeRO-2 sends each gradient away in the reduce buckets ``ShardedDataParallel`` plans.
+
+The backward is walked gradient by gradient over the trial's :class:`ActivationProfile`: the
+activations are at their largest as backward starts and leave as it goes, while the gradients a
+stage keeps (all of them under DDP, the owned ones and the buckets in flight under ZeRO-2)
+arrive, so the peak is the largest sum at one moment, not the sum of the two peaks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from ._flat import plan_buckets
+from ._grad_router import MAX_SENDS_IN_FLIGHT
+from ._memory_estimate import DDP_BUCKET_BYTES, OSS_BUCKET_NUMEL, Layout
+from ._memory_trial import ActivationProfile
+from ._partition import Partition
+from ._reduce_plan import ReduceBucket, plan_reduce_buckets
+
+__all__ = ["replicated_layout"]
+
+
+def replicated_layout(
+    model: nn.Module, world: int, stage: int, profile: Optional[ActivationProfile], declared_activations: int,
+    device: torch.device,
+) -> Layout:
+    """The busiest rank's layout at ``stage`` 0 (DDP), 1 (DDP + ``OSS``) or 2 (``ShardedDataParallel``).
+
+    ``backward_bytes`` includes the activations: walked over ``profile`` when there is one, else
+    ``declared_activations`` added to everything the stage holds at the end of backward.
+    """
+    all_params = list(model.parameters())
+    params = [p for p in all_params if p.requires_grad]
+    param_bytes = sum(_nbytes(p) for p in all_params)
+    grad_bytes = sum(_nbytes(p) for p in params)
+    ring = (world - 1) / world
+    sent = int(2 * ring * grad_bytes)
+    ready = _ready_order(all_params, params, profile)
+    if stage == 0:
+        calls = _ddp_bucket_count(params) if world > 1 else 0
+        backward = grad_bytes + _keep_all_walk(ready, profile, declared_activations)
+        return Layout(param_bytes, grad_bytes, grad_bytes, backward, grad_bytes, 2 * param_bytes, 0,
+                      [(p.shape, p.dtype) for p in params], sent, calls, 1.0)
+    partition = Partition.build([list(params)], world)
+    loads = partition.trainable_bytes_per_rank()
+    busiest = max(range(world), key=loads.__getitem__)
+    owned = [params[i] for i in partition.owned_indices(busiest, trainable_only=True)]
+    share = loads[busiest] / max(1, sum(loads))
+    shapes = [(p.shape, p.dtype) for p in owned]
+    if stage == 1:  # DDP's all-reduce, then the owners' broadcasts
+        calls = (_ddp_bucket_count(params) + _broadcast_count(partition, params)) if world > 1 else 0
+        backward = grad_bytes + _keep_all_walk(ready, profile, declared_activations)
+        return Layout(param_bytes, grad_bytes, grad_bytes, backward, grad_bytes, 2 * param_bytes, 0,
+                      shapes, sent, calls, share)
+    buckets = plan_reduce_buckets(ready, partition.owner_of(), OSS_BUCKET_NUMEL, False)
+    owned_grads = sum(_nbytes(p) for p in owned)
+    if profile is None:
+        in_flight = _reduce_window_bytes(buckets, busiest)
+        backward, communication = declared_activations + owned_grads + in_flight, in_flight
+    else:
+        backward, communication = _zero2_walk(ready, buckets, busiest, profile, lazy_pages=device.type == "cpu")
+    calls = (len(buckets) + _broadcast_count(partition, params)) if world > 1 else 0
+    return Layout(param_bytes, owned_grads, communication, backward, 0, 2 * param_bytes, 0,
+                  shapes, sent, calls, share)
+
+
+def _ready_order(
+    all_params: Sequence[nn.Parameter], params: Sequence[nn.Parameter], profile: Optional[ActivationProfile]
+) -> list[nn.Parameter]:
+    """The trainable parameters in gradient-ready order: the trial's, then any it did not reach
+    (unused in the trial's forward) in reverse, the order the wrappers assume before they learn."""
+    if profile is None:
+        return list(reversed(params))
+    ready = [all_params[i] for i in profile.ready_order]
+    seen = {id(p) for p in ready}
+    return ready + [p for p in reversed(params) if id(p) not in seen]
+
+
+def _keep_all_walk(ready: Sequence[nn.Parameter], profile: Optional[ActivationProfile], declared: int) -> int:
+    """DDP's backward beyond its buckets: the activations alive beside every gradient made so far."""
+    if profile is None:
+        return declared + sum(_nbytes(p) for p in ready)
+    kept, peak = 0, profile.stretch_peaks[0]
+    for k, p in enumerate(ready[: len(profile.ready_order)]):
+        kept += _nbytes(p)
+        peak = max(peak, profile.stretch_peaks[k + 1] + kept)
+    return peak
+
+
+def _zero2_walk(
+    ready: Sequence[nn.Parameter], buckets: Sequence[ReduceBucket], rank: int, profile: ActivationProfile,
+    lazy_pages: bool,
+) -> tuple[int, int]:
+    """The most bytes alive at once in a ZeRO-2 backward on ``rank`` (activations and buckets),
+    and the other owners' buckets alive at that moment, replaying ``ShardedDataParallel``'s
+    bucket life: a bucket's buffer is taken at its first gradient, launched once complete, in
+    order; ``rank``'s own buckets stay (they become its gradients), another owner's is freed
+    once at most ``MAX_SENDS_IN_FLIGHT`` newer sends are left (the worst case: a link that
+    never completes early).
+
+    ``lazy_pages`` (CPU): a fresh buffer costs only the pages written so far (the allocator maps
+    large blocks and the kernel backs a page when it is first written), so a bucket grows with
+    its gradients until it is sealed whole for sending; on an accelerator it costs its full
+    size from its allocation."""
+    location = {id(p): b for b, bucket in enumerate(buckets) for p in bucket.params}
+    waiting = [len(bucket.params) for bucket in buckets]
+    itemsize = {b: torch.empty((), dtype=bucket.wire_dtype).element_size() for b, bucket in enumerate(buckets)}
+    alive: dict[int, int] = {}
+    sent: deque[int] = deque()
+    next_launch = 0
+    peak, comm_at_peak = 0, 0
+
+    def moment(activations: int) -> None:
+        nonlocal peak, comm_at_peak
+        held = sum(alive.values())
+        if activations + held > peak:
+            peak = activations + held
+            comm_at_peak = sum(n for b, n in alive.items() if buckets[b].owner != rank)
+
+    moment(profile.stretch_peaks[0])
+    for k, p in enumerate(ready[: len(profile.ready_order)]):
+        b = location[id(p)]
+        if lazy_pages:
+            alive[b] = alive.get(b, 0) + p.numel() * itemsize[b]
+        else:
+            alive.setdefault(b, _bucket_bytes(buckets[b]))
+        moment(profile.live_at_ready[k])
+        waiting[b] -= 1
+        while next_launch < len(buckets) and waiting[next_launch] == 0:
+            alive[next_launch] = _bucket_bytes(buckets[next_launch])  # sealed: every slot and flag written
+            if buckets[next_launch].owner != rank:
+                sent.append(next_launch)
+                while len(sent) > MAX_SENDS_IN_FLIGHT:
+                    alive.pop(sent.popleft())
+            next_launch += 1
+        moment(profile.stretch_peaks[k + 1])
+    return peak, comm_at_peak
+
+
+def _bucket_bytes(bucket: ReduceBucket) -> int:
+    """A reduce bucket's buffer: its gradients and one 'used' flag per parameter."""
+    return (bucket.numel + len(bucket.params)) * torch.empty((), dtype=bucket.wire_dtype).element_size()
+
+
+def _ddp_bucket_count(params: Sequence[torch.Tensor]) -> int:
+    numel = DDP_BUCKET_BYTES // max(1, params[0].element_size())
+    return len(plan_buckets(list(reversed(params)), numel))
+
+
+def _broadcast_count(partition: Partition, params: Sequence[torch.Tensor]) -> int:
+    """OSS's broadcast buckets per step, summed over the owners (every rank takes part in each)."""
+    index = {p: i for i, p in enumerate(partition.params)}
+    total = 0
+    for rank in range(partition.world_size):
+        owned = [p for p in params if partition.owners[index[p]] == rank]
+        total += len(plan_buckets(owned, OSS_BUCKET_NUMEL))
+    return total
+
+
+def _reduce_window_bytes(buckets: Sequence[ReduceBucket], rank: int) -> int:
+    """Most bytes of other owners' reduce buckets a rank holds at once: one filling while up to
+    ``MAX_SENDS_IN_FLIGHT`` sent ones are still in flight."""
+    others = sorted((_bucket_bytes(b) for b in buckets if b.owner != rank), reverse=True)
+    return sum(others[: MAX_SENDS_IN_FLIGHT + 1])
+
+
+def _nbytes(p: torch.Tensor) -> int:
+    return p.numel() * p.element_size()
