@@ -136,7 +136,7 @@ def estimate_memory(
     if stage == 3:
         from ._memory_zero3 import zero3_layout
 
-        layout = zero3_layout(model, world_size, wrap, mixed_precision, reshard_after_forward, device, activations)
+        layout = zero3_layout(model, world_size, wrap, mixed_precision, reshard_after_forward, device, profile, activations)
     else:
         from ._memory_replicated import replicated_layout
 

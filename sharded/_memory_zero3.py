@@ -5,12 +5,13 @@ what a unit holds while it is gathered and while its gradients are reduce-scatte
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from ._memory_estimate import Layout
+from ._memory_trial import ActivationProfile
 from .fsdp._param import ShardGeometry
 from .fsdp._root import MAX_REDUCTIONS_IN_FLIGHT
 from .fsdp.wrap import as_wrap_policy, modules_to_wrap
@@ -31,17 +32,28 @@ class UnitSize:
 
 def zero3_layout(
     model: nn.Module, world: int, wrap: Any, mixed_precision: Any, reshard_after_forward: bool, device: torch.device,
-    activations: int,
+    profile: Optional[ActivationProfile], declared_activations: int,
 ) -> Layout:
-    """The busiest rank's ZeRO-3 layout (rank 0: it holds the most real rows of every parameter)."""
+    """The busiest rank's ZeRO-3 layout (rank 0: it holds the most real rows of every parameter).
+
+    The activations alive while each unit computes its gradients come from ``profile`` (the
+    trial's bytes between the unit's first and last gradient) or, without one, from
+    ``declared_activations`` leaving evenly unit by unit."""
     param_dtype = getattr(mixed_precision, "param_dtype", None)
     units: list[UnitSize] = []
     shapes: list[tuple[torch.Size, torch.dtype]] = []
-    for module, params in _units(model, wrap):
+    unit_params = _units(model, wrap)
+    for module, params in unit_params:
         units.append(_unit_size(params, world, param_dtype, is_root=module is model))
         shapes.extend(_rank0_shape(p, world) for p in params if p.requires_grad)
     staged = device.type == "cpu" and world > 1
-    backward, communication = _backward_walk(units, world, reshard_after_forward, staged, activations)
+    children = [params for module, params in unit_params if module is not model]
+    if profile is not None:
+        during = _activations_per_unit(list(model.parameters()), list(reversed(children)), profile)
+    else:
+        n = len(children)
+        during = [declared_activations * (n - i) // n for i in range(n)] + [0]
+    backward, communication = _backward_walk(units, world, reshard_after_forward, staged, during)
     shard = sum(u.shard_bytes for u in units)
     grads = sum(u.grad_bytes for u in units)
     full = sum(u.full_bytes for u in units)
@@ -64,8 +76,36 @@ def zero3_layout(
     )
 
 
+def _activations_per_unit(
+    all_params: list[nn.Parameter], backward_units: list[list[nn.Parameter]], profile: ActivationProfile
+) -> list[int]:
+    """The most bytes the trial held while each child unit (in backward order) made its
+    gradients, then at the end of backward (the root's reduction): the stretches from the
+    previous unit's last gradient to this unit's last.
+
+    The walk counts a unit's full gradients itself, so each stretch is taken less the unit's
+    gradients that complete in it or after: those may already be computed and waiting (a
+    linear layer's weight gradient exists when its bias's completes)."""
+    position = {all_params[i]: k for k, i in enumerate(profile.ready_order)}
+    completing = [all_params[i].numel() * all_params[i].element_size() for i in profile.ready_order]
+    peaks = profile.stretch_peaks
+    during, start = [], 0
+    for params in backward_units:
+        reached = [position[p] for p in params if p in position]
+        end = max(reached) if reached else start - 1
+        pending = sum(completing[start : end + 1])
+        worst = 0
+        for k in range(start, end + 1):
+            worst = max(worst, peaks[k] - pending)
+            pending -= completing[k]
+        during.append(worst if end >= start else peaks[min(start, len(peaks) - 1)])
+        start = max(start, end + 1)
+    during.append(peaks[-1])
+    return during
+
+
 def _backward_walk(
-    units: list[UnitSize], world: int, reshard_after_forward: bool, staged: bool, activations: int
+    units: list[UnitSize], world: int, reshard_after_forward: bool, staged: bool, activations: list[int]
 ) -> tuple[int, int]:
     """The most bytes of gradients and communication buffers alive at once during backward, and
     the communication part of that moment, walking the units in backward order (children last
@@ -76,8 +116,9 @@ def _backward_walk(
     and its full gradients, the next unit's parameters being prefetched, and what the previous
     unit's reduce-scatter still holds (at most ``MAX_REDUCTIONS_IN_FLIGHT``, the wrapper's own
     limit). The unit then frees its gathered parameters before it packs its gradients into the
-    send buffer, so packing holds no more than computing did. The activations (the trial's peak) are all alive
-    as backward starts and leave unit by unit: a share ``(n - i) / n`` at the ``i``-th of ``n``.
+    send buffer, so packing holds no more than computing did. ``activations[i]``: the
+    activations alive while the ``i``-th unit of the walk computes; the last, at the root's
+    reduction.
 
     ``staged`` (CPU, gloo): an all-gather in flight holds gloo's own output-sized buffer beside
     ours (it gathers into a new flat tensor, then copies out), so a prefetch counts twice; a
@@ -96,7 +137,7 @@ def _backward_walk(
         return u.gathered_bytes * (2 if staged else 1)
 
     held_root = root.gathered_bytes + root.full_bytes
-    peak, comm_at_peak, done_grads = (activations, 0, 0) if not order else (0, 0, 0)
+    peak, comm_at_peak, done_grads = (activations[0], 0, 0) if not order else (0, 0, 0)
     previous: UnitSize | None = None
     for i, unit in enumerate(order):
         if reshard_after_forward:
@@ -104,14 +145,14 @@ def _backward_walk(
         else:  # SHARD_GRAD_OP: every unit not yet reached stays gathered
             gathered = sum(u.gathered_bytes for u in order[i:])
         comm = gathered + (in_flight(previous) if previous else 0)
-        moment = done_grads + held_root + unit.full_bytes + comm + activations * (len(order) - i) // len(order)
+        moment = done_grads + held_root + unit.full_bytes + comm + activations[i]
         if moment > peak:
             peak, comm_at_peak = moment, comm + root.gathered_bytes
         done_grads += unit.grad_bytes
         previous = unit
     # the root's reduction, last: its gathered parameters and its send buffer
     comm = 2 * root.gathered_bytes + (in_flight(previous) if previous else 0)
-    moment = done_grads + root.full_bytes + comm
+    moment = done_grads + root.full_bytes + comm + activations[-1]
     if moment > peak:
         peak, comm_at_peak = moment, comm
     return peak, comm_at_peak
