@@ -14,6 +14,12 @@ Dynamo applies that split to any frame it compiles while
 :func:`split_compiled_graphs` does what ``replicate`` does, with a stand-in that carries only the
 bucket size. Should a future torch drop the attribute, the context does nothing: the results stay
 the same and only the overlap is lost.
+
+The first piece is small whatever the bucket size: DDPOptimizer cuts it at DDP's first-bucket
+size (``_DEFAULT_FIRST_BUCKET_BYTES``; Dynamo passes it no other, so the stand-in has nothing more
+to carry), and the reduce plan's first bucket is no larger
+(:data:`sharded._reduce_plan.FIRST_BUCKET_BYTES`), so it leaves as soon as that piece's backward
+is done.
 """
 
 from __future__ import annotations

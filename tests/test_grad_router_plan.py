@@ -44,3 +44,14 @@ def test_reduce_fp16_narrows_only_fp32_and_wider():
     params = [torch.zeros(4, requires_grad=True), torch.zeros(4, dtype=torch.bfloat16, requires_grad=True)]
     buckets = plan_reduce_buckets(params, {p: 0 for p in params}, 100, reduce_fp16=True)
     assert sorted(str(b.wire_dtype) for b in buckets) == ["torch.bfloat16", "torch.float16"]
+
+
+
+@pytest.mark.parametrize(
+    "max_numel, window_sizes",
+    [(10**6, [4, 36]), (2500, [2] * 20), (0, [1] * 40)],  # first 16000 bytes; the bucket size; alone
+)
+def test_first_window_is_small_like_ddps_first_bucket_and_capped_by_the_bucket_size(max_numel, window_sizes):
+    params = _params([1000] * 40)  # 4000 bytes each; one owner, so each window is one bucket
+    buckets = plan_reduce_buckets(params, {p: 0 for p in params}, max_numel, reduce_fp16=False, first_bytes=16000)
+    assert [len(b.params) for b in buckets] == window_sizes

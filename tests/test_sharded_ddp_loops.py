@@ -1,6 +1,7 @@
 """Training loops written for DDP, run on ShardedDataParallel unchanged: activation
 checkpointing, DDP's accumulation switch, clipping, ``torch.compile``, and a reduce order that
-follows the real backward even when some parameters get no gradient.
+follows the real backward even when some parameters get no gradient, and a small first bucket
+that leaves early in backward, as DDP's does.
 
 Tolerances. These use SGD, whose update is linear in the gradient, so the only difference to
 DDP is the order of float32 additions: DDP all-reduces a gradient autograd already summed,
@@ -23,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
 import sharded._grad_router
+from sharded._reduce_plan import FIRST_BUCKET_BYTES
 from sharded import OSS, ShardedDataParallel
 from tests._harness import assert_same_on_all_ranks, run_on_ranks
 from tests._models import gpt, gpt_loss, token_batch
@@ -373,3 +375,92 @@ def test_parameter_used_on_some_steps_and_ranks_only_matches_ddp(world_size):
 def _check_sometimes_used_and_lagging_link(rank, world):
     _check_parameter_used_only_sometimes(rank, world)
     _check_reduce_buffers_are_bounded_when_the_link_lags(rank, world)
+
+
+# ------------------------------------------------------------- DDP's small first bucket
+
+
+class _SendLog:
+    """While entered: the gradients made ready on this rank (a hook on every parameter, run after
+    the wrapper's), and per ``dist.reduce`` call how many were ready and how many elements it sent."""
+
+    def __init__(self, params) -> None:
+        self.ready = 0
+        self.sends: list[tuple[int, int]] = []
+        self._params = list(params)
+
+    def __enter__(self) -> _SendLog:
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_ready) for p in self._params]
+        self._reduce = torch.distributed.reduce
+
+        def logging_reduce(tensor, *args, **kwargs):
+            self.sends.append((self.ready, tensor.numel()))
+            return self._reduce(tensor, *args, **kwargs)
+
+        torch.distributed.reduce = logging_reduce
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.distributed.reduce = self._reduce
+        for handle in self._handles:
+            handle.remove()
+
+    def _on_ready(self, param) -> None:
+        self.ready += 1
+
+
+def _wide_stack() -> nn.Module:
+    """16 layers of 256 KiB of parameters: one default bucket (2**23 elements) holds them all."""
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Sequential(nn.Linear(256, 256), nn.Tanh()) for _ in range(16)))
+
+
+def _wide_batch(rank, step):
+    return torch.randn(4, 256, generator=torch.Generator().manual_seed(700 * step + rank))
+
+
+def _check_first_bucket_is_small_and_leaves_early(rank, world):
+    """With the default bucket size, the first reduce carries at most DDP's first bucket (1 MiB)
+    and leaves while most gradients are still to come, eagerly and compiled (Dynamo's first
+    piece is as small); the results stay DDP's (bit for bit at world 2: SGD, two summands)."""
+    ref = _wide_stack()
+    ref_opt = torch.optim.SGD(ref.parameters(), **SGD)
+    ddp = DDP(ref)
+    runs = {}
+    for how in ("eager", "compiled"):
+        torch._dynamo.reset()
+        model = _wide_stack()
+        optimizer = OSS(model.parameters(), torch.optim.SGD, **SGD)
+        wrapped = ShardedDataParallel(model if how == "eager" else torch.compile(model, backend="aot_eager"), optimizer)
+        runs[how] = (model, wrapped, optimizer, [])
+    for step in range(3):
+        ref_opt.zero_grad()
+        ddp(_wide_batch(rank, step)).pow(2).mean().backward()
+        ref_opt.step()
+        for model, wrapped, optimizer, logs in runs.values():
+            optimizer.zero_grad()
+            loss = wrapped(_wide_batch(rank, step)).pow(2).mean()
+            with _SendLog(model.parameters()) as log:
+                loss.backward()
+            optimizer.step()
+            logs.append(log)
+    first_bucket_numel = FIRST_BUCKET_BYTES // 4 + 4  # + one 'used' flag per parameter in it
+    for how, (model, _, _, logs) in runs.items():
+        if world == 2:
+            for a, b in zip(model.parameters(), ref.parameters()):
+                assert torch.equal(a, b), f"{how}: not bit-identical to DDP"
+        _assert_close(model, ref, how)
+        assert_same_on_all_ranks(list(model.parameters()), how)
+        for step, log in enumerate(logs):
+            (ready_at_first, first_numel), total = log.sends[0], log.ready
+            what = f"rank {rank}, {how}, step {step}: first reduce after {ready_at_first} of {total} gradients"
+            assert first_numel <= first_bucket_numel, f"{what}, {first_numel} elements"
+            # eager: within the last 4 of 16 layers' gradients; compiled: when the first piece (the
+            # last 4 layers, whose hooks all fire as it ends) is done. Without the small first
+            # bucket, with the last gradient of its owner's half of the model.
+            assert total - ready_at_first >= total // 2, what
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_first_bucket_is_small_and_leaves_early_in_backward_eager_and_compiled(world_size):
+    run_on_ranks(_check_first_bucket_is_small_and_leaves_early, world_size, timeout=240)
