@@ -386,6 +386,7 @@ class _SendLog:
 
     def __init__(self, params) -> None:
         self.ready = 0
+        self.last: torch.Tensor | None = None  # the parameter whose gradient was ready last
         self.sends: list[tuple[int, int]] = []
         self._params = list(params)
 
@@ -407,6 +408,7 @@ class _SendLog:
 
     def _on_ready(self, param) -> None:
         self.ready += 1
+        self.last = param
 
 
 def _wide_stack() -> nn.Module:
@@ -464,3 +466,46 @@ def _check_first_bucket_is_small_and_leaves_early(rank, world):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_first_bucket_is_small_and_leaves_early_in_backward_eager_and_compiled(world_size):
     run_on_ranks(_check_first_bucket_is_small_and_leaves_early, world_size, timeout=240)
+
+
+def _check_overlap_bytes_follow_the_plan(rank, world):
+    """``backward_stats.overlap_bytes`` is exactly the plan's share of gradient bytes launched
+    before the last gradient arrived. Once the plan follows the real order, every bucket but the
+    one that holds the last gradient leaves from an earlier hook: with the default bucket that
+    one holds its owner's share of the model after the small first window, so the figure
+    misses that share whatever the time-based ``overlap`` says; with each gradient alone it
+    misses only the last gradient's bytes. Eager and compiled (the last piece's hooks fire
+    together, one by one)."""
+    cases = {"default bucket, eager": (2**23, False), "default bucket, compiled": (2**23, True),
+             "each gradient alone, eager": (0, False)}
+    for what, (bucket, compiled) in cases.items():
+        torch._dynamo.reset()
+        model = _wide_stack()
+        optimizer = OSS(model.parameters(), torch.optim.SGD, **SGD)
+        module = torch.compile(model, backend="aot_eager") if compiled else model
+        wrapped = ShardedDataParallel(module, optimizer, reduce_buffer_size=bucket)
+        for step in range(2):  # the first backward teaches the plan the real order
+            optimizer.zero_grad()
+            loss = wrapped(_wide_batch(rank, step)).pow(2).mean()
+            with _SendLog(model.parameters()) as log:
+                loss.backward()
+            optimizer.step()
+        stats, buckets = wrapped.backward_stats, wrapped._router.buckets
+        total = sum(p.numel() * p.element_size() for p in model.parameters())
+        waits_for_last = [b for b in buckets if any(p is log.last for p in b.params)]
+        assert len(waits_for_last) == 1, what
+        last_bytes = waits_for_last[0].numel * 4
+        if bucket == 0:
+            assert last_bytes == log.last.numel() * 4, what
+        else:  # one small first bucket, then each owner's share of the rest in one bucket
+            assert buckets[0].numel * 4 <= FIRST_BUCKET_BYTES, what
+            assert len(buckets) <= 2 * world, (what, len(buckets))
+        expected = 1 - last_bytes / total
+        what = f"rank {rank}, {what}: {stats}, expected overlap_bytes {expected}"
+        assert stats.launched_during_backward == stats.buckets - 1, what
+        assert stats.overlap_bytes == pytest.approx(expected, rel=1e-12, abs=0), what
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_overlap_bytes_is_the_plans_share_of_bytes_launched_before_the_last_gradient(world_size):
+    run_on_ranks(_check_overlap_bytes_follow_the_plan, world_size, timeout=240)
