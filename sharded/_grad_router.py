@@ -78,12 +78,12 @@ class BackwardStats:
             (e.g. a compiled backward hands all of them over at once). It counts from the first
             reduce's start, so one small early bucket lifts it near 1 even when most bytes leave
             at the end: read it beside ``overlap_bytes``.
-        overlap_bytes: share of the plan's gradient bytes (each bucket's gradients at their own
-            dtype, whatever the wire dtype) whose reduce was launched while gradients were
-            still arriving, i.e. before the last gradient hook of the pass; the rest left with
-            the last gradient or at the end-of-backward flush. The bytes-weighted companion of
-            ``launched_during_backward``, with its limit: a bucket launched one gradient before
-            the last counts as overlapped, however little backward was left to hide it.
+        overlap_bytes: the plan's gradient bytes (at the parameters' dtype, whatever the wire
+            dtype), each weighted by the share of the backward's gradients still to come when
+            its bucket left, over all of them: 1 if every byte left as the backward began, 0
+            if all left with the last gradient or at the end-of-backward flush. A bucket that
+            leaves three quarters of the way through counts a quarter of its bytes, however
+            early a small first bucket left.
     """
 
     buckets: int
@@ -412,12 +412,16 @@ class GradRouter:
         return (bw.flushed_at - bw.first_launch_at) / (bw.flushed_at - started)
 
     def _overlap_bytes_share(self, bw: Pass) -> float:
-        """Share of the plan's gradient bytes in buckets a hook launched before the last one."""
+        """Gradient bytes weighted by the share of the backward's gradients still to come when
+        their bucket left (see ``BackwardStats.overlap_bytes``)."""
         sizes = [bucket.grad_nbytes for bucket in self.buckets]
         total = sum(sizes)
-        # Hooks launch buckets in plan order, so launch_clocks[b] belongs to bucket b.
-        early = sum(size for size, clock in zip(sizes, bw.launch_clocks) if clock < bw.clock)
-        return early / total if total else 0.0
+        if not total or not bw.clock:
+            return 0.0
+        # Hooks launch buckets in plan order, so launch_clocks[b] belongs to bucket b; the
+        # buckets after them left at the flush and count nothing.
+        hidden = sum(size * (bw.clock - clock) for size, clock in zip(sizes, bw.launch_clocks))
+        return hidden / (total * bw.clock)
 
     def _agreed_ready_order(self, bw: Pass) -> list[torch.Tensor]:
         """Rank 0's observed completion order (then the parameters it never saw), sent to all."""
