@@ -13,7 +13,8 @@ backward of the same batch with no communication at all, plus the optimizer step
 1/N of the parameters; the **exposed communication** (step minus ideal) in ms and as a share of
 the step; the run's **noise** on that ratio (half the spread of the per-round ratios: differences
 smaller than it are ties); for ZeRO-2, the share of backward during which reduces were already
-under way (``overlap``, from ``ShardedDataParallel.backward_stats``); optimizer-state and
+under way (``overlap``, from ``ShardedDataParallel.backward_stats``) and the share of gradient
+bytes whose reduce left before the last gradient arrived (``overlap bytes``); optimizer-state and
 gradient bytes held on each rank (gradients measured after backward, i.e. after reduction); the
 peak memory of the rank that rose most (a separate short launch per implementation, so peaks
 don't mix, whose ranks start with ``MALLOC_MMAP_THRESHOLD_=65536``: the rise of VmHWM over the
@@ -361,6 +362,7 @@ def timing_rank(rank, world, args, store_path, results_path):
         setups = {impl: build(impl, models[impl]) for impl in args.impls}
         rounds_of = {impl: [] for impl in args.impls}  # timed step times, one list per round
         overlaps = {impl: [] for impl in args.impls}
+        overlap_bytes = {impl: [] for impl in args.impls}
         losses, grads = {}, {}
         step_of = {impl: 0 for impl in args.impls}
         rounds = args.warmup + args.steps
@@ -379,6 +381,7 @@ def timing_rank(rank, world, args, store_path, results_path):
                         stats = getattr(setups[impl][0], "backward_stats", None)
                         if stats is not None:
                             overlaps[impl].append(stats.overlap)
+                            overlap_bytes[impl].append(stats.overlap_bytes)
                     step_of[impl] += 1
                 if this_round:
                     rounds_of[impl].append(this_round)
@@ -393,11 +396,13 @@ def timing_rank(rank, world, args, store_path, results_path):
             ddp_bytes = 0.0
             if impl in ("ddp", "torch_zero", "zero1"):  # DDP's C++ all-reduce of every gradient
                 ddp_bytes = sum(p.numel() * p.element_size() for p in named.values()) * 2 * (world - 1) / world
-            overlap = statistics.mean(gather(statistics.median(overlaps[impl]), device)) if overlaps[impl] else None
+            overlap, early_bytes = (statistics.mean(gather(statistics.median(xs[impl]), device)) if xs[impl] else None
+                                    for xs in (overlaps, overlap_bytes))
             report.setdefault(size, {})[impl] = {
                 "median_step_s": statistics.median(t for r in rounds_of[impl] for t in r),
                 "round_steps_s": rounds_of[impl],
                 "overlap": overlap,
+                "overlap_bytes": early_bytes,
                 "state_bytes": gather(state_bytes(setups[impl][3]), device),
                 "grad_bytes": gather(grads[impl], device),
                 "comm_calls_python": counter.calls,
@@ -535,16 +540,16 @@ def print_table(report, world) -> None:
         ddp_time = rows.get("ddp", {}).get("median_step_s")
         print(f"\n{size} ({rows[next(iter(rows))]['params'] / 1e6:.1f}M params), world {world}")
         print(f"{'implementation':<40}{'step s':>8}{'vs DDP':>8}{'vs ideal':>10}{'± noise':>9}{'exposed ms':>12}"
-              f"{'exposed %':>10}{'overlap':>9}{'vs FSDP2':>9}{'params MiB/rank':>17}{'state MiB/rank':>18}"
+              f"{'exposed %':>10}{'overlap':>9}{'ov. bytes':>10}{'vs FSDP2':>9}{'params MiB/rank':>17}{'state MiB/rank':>18}"
               f"{'grads MiB/rank':>18}{'peak MiB (max)':>16}{'MiB sent':>10}{'sent/M':>8}{'calls':>7}{'loss':>8}"
               f"{'max |Δ|':>10}")
         for impl, r in rows.items():
             mib = lambda xs: "/".join(f"{x / 2**20:.1f}" for x in xs)
             ratio = f"{r['median_step_s'] / ddp_time:.2f}" if ddp_time else "-"
-            overlap = f"{r['overlap']:.2f}" if r.get("overlap") is not None else "-"
+            overlap, early_bytes = (f"{r[key]:.2f}" if r.get(key) is not None else "-" for key in ("overlap", "overlap_bytes"))
             ideal = (f"{r['vs_ideal']:>10.2f}{r['ratio_noise']:>9.2f}{r['exposed_ms']:>12.0f}{100 * r['exposed_share']:>9.0f}%"
                      if "vs_ideal" in r else f"{'-':>10}{'-':>9}{'-':>12}{'-':>10}")
-            print(f"{IMPLS[impl]:<40}{r['median_step_s']:>8.3f}{ratio:>8}{ideal}{overlap:>9}{fsdp2_ratio(rows, impl):>9}"
+            print(f"{IMPLS[impl]:<40}{r['median_step_s']:>8.3f}{ratio:>8}{ideal}{overlap:>9}{early_bytes:>10}{fsdp2_ratio(rows, impl):>9}"
                   f"{mib(r.get('param_bytes', [])):>17}{mib(r['state_bytes']):>18}{mib(r['grad_bytes']):>18}"
                   f"{mib(peak_of(r)):>16}{r['comm_bytes'] / 2**20:>10.1f}{sent_per_model(r, world):>8.2f}"
                   f"{r['comm_calls_python']:>7}{r['final_loss']:>8.4f}{r['max_param_diff_vs_ddp']:>10.2e}")

@@ -49,9 +49,9 @@ def diff(row: dict) -> str:
 
 
 def layer_12_row(impl: str, row: dict, rows: dict, ddp: float, world: int) -> list[str]:
-    overlap = f"{row['overlap']:.2f}" if row.get("overlap") is not None else "-"
+    overlap, early_bytes = (f"{row[key]:.2f}" if row.get(key) is not None else "-" for key in ("overlap", "overlap_bytes"))
     return [IMPLS[impl], f"{row['median_step_s']:.3f}", f"{row['median_step_s'] / ddp:.2f}",
-            vs_deepspeed(impl, rows), vs_ideal(row), exposed(row), overlap, mib(row["state_bytes"]),
+            vs_deepspeed(impl, rows), vs_ideal(row), exposed(row), overlap, early_bytes, mib(row["state_bytes"]),
             mib(row["grad_bytes"]), mib(peak_of(row)),
             f"{row['comm_bytes'] / 2**20:.1f}", str(row["comm_calls_python"]), diff(row)]
 
@@ -66,7 +66,7 @@ def layer_3_row(impl: str, row: dict, rows: dict, ddp: float, world: int) -> lis
 
 
 LAYER_12_HEAD = ["implementation", "step s", "vs DDP", "vs DeepSpeed (step / peak)", "vs ideal ± noise",
-                 "exposed ms (share)", "overlap", "state MiB/rank", "grads MiB/rank", "peak MiB (largest rank)",
+                 "exposed ms (share)", "overlap", "overlap bytes", "state MiB/rank", "grads MiB/rank", "peak MiB (largest rank)",
                  "MiB sent", "calls", "max abs diff"]
 LAYER_3_HEAD = ["implementation", "step s", "vs DDP", "vs FSDP2 (same strategy)", "vs DeepSpeed (step / peak)",
                 "vs ideal ± noise", "params MiB/rank", "state MiB/rank", "grads MiB/rank", "peak MiB (largest rank)",

@@ -75,7 +75,15 @@ class BackwardStats:
             to be complete (at most ``MAX_SENDS_IN_FLIGHT`` of those, however slow the link).
         overlap: share of the backward's wall time (from its start to the flush) during which
             a reduce was already under way; near 0 when gradients only arrive at the very end
-            (e.g. a compiled backward hands all of them over at once).
+            (e.g. a compiled backward hands all of them over at once). It counts from the first
+            reduce's start, so one small early bucket lifts it near 1 even when most bytes leave
+            at the end: read it beside ``overlap_bytes``.
+        overlap_bytes: the plan's gradient bytes (at the parameters' dtype, whatever the wire
+            dtype), each weighted by the share of the backward's gradients still to come when
+            its bucket left, over all of them: 1 if every byte left as the backward began, 0
+            if all left with the last gradient or at the end-of-backward flush. A bucket that
+            leaves three quarters of the way through counts a quarter of its bytes, however
+            early a small first bucket left.
     """
 
     buckets: int
@@ -83,6 +91,7 @@ class BackwardStats:
     late_reduces: int
     peak_bucket_bytes: int
     overlap: float
+    overlap_bytes: float
 
 
 class GradRouter:
@@ -390,6 +399,7 @@ class GradRouter:
             late_reduces=bw.late_reduces,
             peak_bucket_bytes=bw.peak_bytes,
             overlap=self._overlap_share(bw),
+            overlap_bytes=self._overlap_bytes_share(bw),
         )
         if not self._order_observed:
             self._order_observed = True
@@ -400,6 +410,18 @@ class GradRouter:
         if bw.first_launch_at is None or bw.flushed_at <= started:
             return 0.0
         return (bw.flushed_at - bw.first_launch_at) / (bw.flushed_at - started)
+
+    def _overlap_bytes_share(self, bw: Pass) -> float:
+        """Gradient bytes weighted by the share of the backward's gradients still to come when
+        their bucket left (see ``BackwardStats.overlap_bytes``)."""
+        sizes = [bucket.grad_nbytes for bucket in self.buckets]
+        total = sum(sizes)
+        if not total or not bw.clock:
+            return 0.0
+        # Hooks launch buckets in plan order, so launch_clocks[b] belongs to bucket b; the
+        # buckets after them left at the flush and count nothing.
+        hidden = sum(size * (bw.clock - clock) for size, clock in zip(sizes, bw.launch_clocks))
+        return hidden / (total * bw.clock)
 
     def _agreed_ready_order(self, bw: Pass) -> list[torch.Tensor]:
         """Rank 0's observed completion order (then the parameters it never saw), sent to all."""

@@ -88,7 +88,7 @@ class Pass:
         self.in_flight: deque[tuple[Fill, dist.Work, bool]] = deque()
         self.partial: set[int] = set()  # arrived, but fewer times than expected so far
         self.late: dict[int, torch.Tensor] = {}  # arrived after the bucket left: scaled gradients
-        self.launch_clocks: list[int] = []  # arrivals seen when each bucket left from a hook
+        self.launch_clocks: list[int] = []  # arrivals seen when each bucket left from a hook, in plan order
         self.late_reduces = 0
         self.held_bytes = 0
         self.peak_bytes = 0

@@ -42,6 +42,11 @@ class ReduceBucket:
     def device(self) -> torch.device:
         return self.params[0].device
 
+    @property
+    def grad_nbytes(self) -> int:
+        """Bytes of its gradients at the parameters' dtype (without the 'used' flags)."""
+        return self.numel * self.params[0].element_size()
+
 
 def plan_reduce_buckets(
     params: Sequence[torch.Tensor],

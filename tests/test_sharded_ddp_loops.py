@@ -386,6 +386,7 @@ class _SendLog:
 
     def __init__(self, params) -> None:
         self.ready = 0
+        self.last: torch.Tensor | None = None  # the parameter whose gradient was ready last
         self.sends: list[tuple[int, int]] = []
         self._params = list(params)
 
@@ -407,6 +408,7 @@ class _SendLog:
 
     def _on_ready(self, param) -> None:
         self.ready += 1
+        self.last = param
 
 
 def _wide_stack() -> nn.Module:
@@ -464,3 +466,42 @@ def _check_first_bucket_is_small_and_leaves_early(rank, world):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_first_bucket_is_small_and_leaves_early_in_backward_eager_and_compiled(world_size):
     run_on_ranks(_check_first_bucket_is_small_and_leaves_early, world_size, timeout=240)
+
+
+def _check_overlap_bytes_follow_the_plan(rank, world):
+    """``backward_stats.overlap_bytes`` is exactly the plan's gradient bytes, each weighted by
+    the share of gradients still to come when its bucket's reduce was called, over all bytes:
+    with the default bucket a small first bucket leaves early but the rest of the model leaves
+    late, so the figure stays low whatever the time-based ``overlap`` says; with each gradient
+    alone it is near 1/2. Eager and compiled (the last piece's hooks fire together)."""
+    cases = {"default bucket, eager": (2**23, False), "default bucket, compiled": (2**23, True),
+             "each gradient alone, eager": (0, False)}
+    for what, (bucket, compiled) in cases.items():
+        torch._dynamo.reset()
+        model = _wide_stack()
+        optimizer = OSS(model.parameters(), torch.optim.SGD, **SGD)
+        module = torch.compile(model, backend="aot_eager") if compiled else model
+        wrapped = ShardedDataParallel(module, optimizer, reduce_buffer_size=bucket)
+        for step in range(2):  # the first backward teaches the plan the real order
+            optimizer.zero_grad()
+            loss = wrapped(_wide_batch(rank, step)).pow(2).mean()
+            with _SendLog(model.parameters()) as log:
+                loss.backward()
+            optimizer.step()
+        stats, buckets = wrapped.backward_stats, wrapped._router.buckets
+        n, total = log.ready, sum(p.numel() * p.element_size() for p in model.parameters())
+        assert len(log.sends) == len(buckets), what  # one reduce per bucket, in plan order
+        # the log's hook runs after the wrapper's: a send from the k-th gradient's hook sees k - 1
+        hidden = sum(b.numel * 4 * max(0, n - ready - 1) for b, (ready, _) in zip(buckets, log.sends))
+        expected = hidden / (total * n)
+        what = f"rank {rank}, {what}: {stats}, expected overlap_bytes {expected}"
+        assert stats.overlap_bytes == pytest.approx(expected, rel=1e-12, abs=0), what
+        if bucket:  # most bytes leave late: the figure says so where overlap does not
+            assert buckets[0].numel * 4 <= FIRST_BUCKET_BYTES and stats.overlap_bytes < 0.5, what
+        else:
+            assert 0.4 < stats.overlap_bytes < 0.6, what
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_overlap_bytes_weights_each_buckets_bytes_by_the_backward_left_to_hide_them(world_size):
+    run_on_ranks(_check_overlap_bytes_follow_the_plan, world_size, timeout=240)
