@@ -11,7 +11,7 @@ import torch.distributed as dist
 from examples.gpt import GPT
 from sharded import _comm
 from sharded.fsdp._root import MAX_REDUCTIONS_IN_FLIGHT
-from sharded.fsdp._unit import ShardState, units_under
+from sharded.fsdp._unit import ShardState, TrainingState, units_under
 from tests._fsdp_reference import local_bytes, shard_gpt
 from tests._harness import run_on_ranks
 from tests._models import gpt_loss, token_batch
@@ -31,6 +31,24 @@ def _watch_gathered(units):
 
         unit.wait_for_unshard = recorded
     return seen
+
+
+def _watch_backward_gathers(units):
+    """Record, as each all-gather starts during backward, the unit, whether it is a prefetch
+    (the unit's own backward has not begun) and which other units still have a gather in
+    flight."""
+    started = []
+    for unit in units:
+        start = unit._start_gather
+
+        def recorded(unit=unit, start=start):
+            if unit.running_root.in_backward:
+                in_flight = [u for u in units if u is not unit and u.shard_state is ShardState.GATHERING]
+                started.append((unit, unit.training_state is not TrainingState.PRE_BACKWARD, in_flight))
+            start()
+
+        unit._start_gather = recorded
+    return started
 
 
 def _watch_reductions(units):
@@ -63,6 +81,7 @@ def _check_memory(rank, world):
     root = units[0]
     during = _watch_gathered(units)
     reduced = _watch_reductions(units)
+    backward_gathers = _watch_backward_gathers(units)
     for step in range(2):
         optimizer.zero_grad()
         loss = gpt_loss(model, token_batch(rank, step, vocab=128))
@@ -70,7 +89,16 @@ def _check_memory(rank, world):
         assert gathered == [root], f"between forward and backward {len(gathered)} units are gathered"
         assert sum(u.storage.unsharded_bytes() for u in units) == root.storage.unsharded_bytes() > 0
         during.clear()
+        backward_gathers.clear()
         loss.backward()
+        # each block is gathered once, ahead of its backward (the last block's during the
+        # root's), and only once the gather before it has landed and been copied out: two
+        # gathers in flight beside a copy-out would hold one more unit's bytes at the moment
+        # backward holds the most activations
+        assert [u for u, _, _ in backward_gathers] == units[:0:-1], [u for u, _, _ in backward_gathers]
+        assert all(prefetch for _, prefetch, _ in backward_gathers), "a block gathered in its own backward, not ahead"
+        overlapping = [(u, others) for u, _, others in backward_gathers if others]
+        assert not overlapping, f"all-gathers started while others were in flight: {overlapping}"
         # the unit computing, the one prefetched for it, and the root (needed last)
         assert max(held for held, _ in during) <= 3, f"{max(during)} units were gathered at once during backward"
         block_bytes = max(u.storage.world * u.storage.shard_numel * 4 for u in units[1:])

@@ -4,15 +4,16 @@ The first unit whose forward runs becomes the root of every unit below it (lazil
 only then is the whole tree known). The root names units and parameters by their full paths
 (module paths are what errors and profiler labels show, as torch's FQNs), checks that
 every rank built the same model before the first collective can hang on a mismatch, records the
-order units run in (to prefetch the next one's all-gather), and owns the end of backward: one
-autograd-engine callback, queued when backward first reaches any unit, that sends what is left,
-waits for every gradient in flight, and returns the units to rest.
+orders units start and end their forward in (to prefetch the next one's all-gather in forward
+and in backward), and owns the end of backward: one autograd-engine callback, queued when
+backward first reaches any unit, that sends what is left, waits for every gradient in flight,
+and returns the units to rest.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 from torch import nn
@@ -42,9 +43,11 @@ class Root:
         self.unit = unit
         self.units = units
         self.in_backward = False
-        self.forward_order: list[Unit] = []
-        self._position: dict[Unit, int] = {}
+        self.forward_order: list[Unit] = []  # in the order their forward started
+        self.backward_order: list[Unit] = []  # the reverse of the order their forward ended
+        self._after: dict[str, dict[Unit, Unit]] = {"forward": {}, "backward": {}}  # each order's next unit
         self._this_forward: dict[Unit, None] = {}
+        self._ended_this_forward: dict[Unit, None] = {}
         self._reductions: list[Reduction] = []
 
     @classmethod
@@ -95,6 +98,7 @@ class Root:
 
     def begin_forward(self) -> None:
         self._this_forward = {}
+        self._ended_this_forward = {}
         event, self.unit.context.post_optim_event = self.unit.context.post_optim_event, None
         if event is not None:
             for streams in {u.streams for u in self.units}:
@@ -103,13 +107,21 @@ class Root:
     def record_forward(self, unit: Unit) -> None:
         self._this_forward.setdefault(unit)
 
+    def record_forward_end(self, unit: Unit) -> None:
+        self._ended_this_forward.setdefault(unit)
+
     def end_forward(self, grad_enabled: bool) -> None:
-        """Remember this forward's order; free whatever no backward will need."""
-        self.forward_order = list(self._this_forward)
-        self._position = {u: i for i, u in enumerate(self.forward_order)}
+        """Remember this forward's orders; free whatever no backward will need."""
         for u in self.units:
             if u is not self.unit and u.training_state is TrainingState.FORWARD:
                 u.complete_forward(grad_enabled)  # a list unit some of whose modules did not run
+        self.forward_order = list(self._this_forward)
+        # backward runs a unit's gradients once every unit that used its outputs is done: in
+        # the reverse of the order forwards ended (the root first, then its last child), not of
+        # the order they started (where the root comes first and so would prefetch nothing)
+        self.backward_order = list(reversed(self._ended_this_forward))
+        for name, order in (("forward", self.forward_order), ("backward", self.backward_order)):
+            self._after[name] = dict(zip(order, order[1:]))
         for u in self.units:
             unused_prefetch = u is not self.unit and not u.awaiting_backward and u.reshard_after_forward
             if not grad_enabled or (unused_prefetch and u.shard_state is not ShardState.SHARDED):
@@ -117,7 +129,7 @@ class Root:
 
     def prefetch_forward(self, unit: Unit) -> None:
         """Start the all-gather of the unit(s) to run after ``unit``."""
-        targets = unit.forward_prefetch if unit.forward_prefetch is not None else self._neighbour(unit, +1)
+        targets = unit.forward_prefetch if unit.forward_prefetch is not None else self._next("forward", unit)
         for target in targets:
             target.unshard(async_op=True)
 
@@ -126,16 +138,16 @@ class Root:
         if unit.backward_prefetch is not None:
             targets = unit.backward_prefetch
         else:
-            targets = [u for u in self._neighbour(unit, -1) if u.awaiting_backward]
+            targets = [u for u in self._next("backward", unit) if u.awaiting_backward]
         for target in targets:
             if target.training_state is not TrainingState.POST_BACKWARD:
                 target.unshard(async_op=True)
 
-    def _neighbour(self, unit: Unit, step: int) -> list[Unit]:
-        position: Optional[int] = self._position.get(unit)
-        if position is None or not 0 <= position + step < len(self.forward_order):
-            return []
-        return [self.forward_order[position + step]]
+    def _next(self, order: str, unit: Unit) -> list[Unit]:
+        """The unit after ``unit`` in the last forward's ``order`` ("forward" or "backward"):
+        none if it is last or did not run."""
+        after = self._after[order].get(unit)
+        return [after] if after is not None else []
 
     # ----------------------------------------------------------------------- backward
 
@@ -170,6 +182,7 @@ class Root:
         for u in self.units:
             u.reset()
         self._this_forward = {}
+        self._ended_this_forward = {}
         self.in_backward = False
 
     def _finish_backward(self) -> None:

@@ -329,6 +329,7 @@ class Unit:
         """Every module of the unit has run (or the root's forward ended): free the gathered
         parameters unless backward will want them kept."""
         self._modules_to_run = set()
+        self.running_root.record_forward_end(self)
         if not (grad_enabled and self.reshard_after_forward is False):
             self.reshard()
         self.training_state = TrainingState.IDLE
@@ -342,9 +343,12 @@ class Unit:
         self.training_state = TrainingState.PRE_BACKWARD
         if self.unshard_in_backward:
             self.unshard(async_op=True)
+        # the next unit's all-gather starts once this one's has landed and been copied out: two
+        # gathers in flight beside a copy-out would hold a third unit-sized buffer at the moment
+        # backward holds the most activations; its gather still overlaps this unit's backward
+        self.wait_for_unshard()
         if self.backward_prefetch_timing is BackwardPrefetch.BACKWARD_PRE:
             self.running_root.prefetch_backward(self)
-        self.wait_for_unshard()
 
     def _on_input_gradients(self) -> None:
         if self._open_forward_calls > 0:
