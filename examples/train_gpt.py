@@ -36,7 +36,6 @@ import contextlib
 import datetime
 import importlib
 import os
-import re
 import signal
 import sysconfig
 import time
