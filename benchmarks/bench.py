@@ -287,6 +287,7 @@ class CollectiveCounter:
         self.calls, self.bytes = 0, 0.0
         self._saved = {}
         self._ds_saved = None
+        self._inside_gather = False
 
     def __enter__(self):
         world = dist.get_world_size()
@@ -294,6 +295,12 @@ class CollectiveCounter:
             if hasattr(dist, name):  # all_gather_single / reduce_scatter_single: torch >= 2.13
                 fn = self._saved[name] = getattr(dist, name)
                 setattr(dist, name, self._counting(name, fn, factor, world))
+        # sharded's ZeRO-3 gathers start here: one all-gather, though on gloo it is made of one
+        # broadcast per rank (not counted again)
+        from sharded import _comm
+
+        self._comm, self._comm_gather = _comm, _comm.all_gather_into_tensor
+        _comm.all_gather_into_tensor = self._counting_gather(self._comm_gather, world)
         backend = self._deepspeed_backend()
         if backend is not None:  # it looked its all-gather and reduce-scatter up once, at start
             self._ds_saved = (backend.all_gather_function, backend.reduce_scatter_function)
@@ -308,6 +315,8 @@ class CollectiveCounter:
 
     def _counting(self, name, fn, factor, world):
         def counted(*args, **kwargs):
+            if self._inside_gather:
+                return fn(*args, **kwargs)
             nbytes = full_size_bytes(name, args, kwargs)
             self.calls += 1
             self.bytes += nbytes * (factor * (world - 1) / world if factor else 1)
@@ -315,7 +324,20 @@ class CollectiveCounter:
 
         return counted
 
+    def _counting_gather(self, fn, world):
+        def counted(output, *args, **kwargs):
+            self.calls += 1
+            self.bytes += output.numel() * output.element_size() * (world - 1) / world
+            self._inside_gather = True
+            try:
+                return fn(output, *args, **kwargs)
+            finally:
+                self._inside_gather = False
+
+        return counted
+
     def __exit__(self, *exc):
+        self._comm.all_gather_into_tensor = self._comm_gather
         for name, fn in self._saved.items():
             setattr(dist, name, fn)
         backend = self._deepspeed_backend()

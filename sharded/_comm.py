@@ -12,7 +12,7 @@ back with ``weights_only=True``: a peer's bytes are data, never code.
 from __future__ import annotations
 
 import io
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -136,16 +136,71 @@ def exchange_objects(outgoing: dict[int, Any], group: ProcessGroup) -> dict[int,
 # ------------------------------------------------------------- tensor collectives (layer 3)
 
 
+class Waitable(Protocol):
+    """What an asynchronous collective returns here: ``dist.Work`` or :class:`BroadcastGather`."""
+
+    def wait(self) -> Any: ...
+
+
+class BroadcastGather:
+    """An all-gather made of one in-place broadcast per rank; ``wait`` waits for them all."""
+
+    def __init__(self, works: list[dist.Work]) -> None:
+        self._works = works
+
+    def wait(self) -> bool:
+        while self._works:
+            self._works.pop(0).wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
+
 def all_gather_into_tensor(
     output: torch.Tensor, input: torch.Tensor, group: ProcessGroup, async_op: bool = True
-) -> Optional[dist.Work]:
+) -> Optional[Waitable]:
     """Gather every rank's equal-sized ``input`` into ``output``, rank after rank.
+
+    gloo's single-tensor all-gather gathers into a full-size buffer of its own and copies it into
+    ``output`` when it completes, so a gather in flight holds its output twice (a prefetch
+    overlapping a unit's compute made ZeRO-3's peak 2.7 % higher than FSDP2's on the bench's 10m
+    model). On gloo with contiguous CPU tensors this rank's ``input`` is copied into its slot and
+    every slot is then filled by an in-place broadcast from its owner: the same bytes, no second
+    buffer (:func:`gathers_without_staging`). The result is a copy either way, bit for bit.
 
     torch 2.13 renamed ``all_gather_into_tensor`` to ``all_gather_single``; whichever this torch
     has is looked up at call time, so code that counts collectives by patching ``dist`` sees it.
     """
+    if gathers_without_staging(output, group):
+        return _gather_by_broadcasts(output, input, group, async_op)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return gather(output, input, group=group, async_op=async_op)
+
+
+def gathers_without_staging(output: torch.Tensor, group: ProcessGroup) -> bool:
+    """Whether :func:`all_gather_into_tensor` into ``output`` over ``group`` broadcasts into
+    ``output`` itself (gloo, CPU, contiguous) instead of through a collective's own buffer."""
+    return dist.get_backend(group) == dist.Backend.GLOO and output.device.type == "cpu" and output.is_contiguous()
+
+
+def _gather_by_broadcasts(
+    output: torch.Tensor, input: torch.Tensor, group: ProcessGroup, async_op: bool
+) -> Optional[BroadcastGather]:
+    """:func:`all_gather_into_tensor` as ``group_size`` in-place broadcasts into ``output``'s slots,
+    issued in rank order on every rank (gloo runs a group's collectives in issue order)."""
+    world, n = group_size(group), input.numel()
+    if output.numel() != world * n:
+        raise ValueError(f"rank {dist.get_rank()}: all-gather output has {output.numel()} elements, expected {world} x {n}")
+    if n == 0:
+        return None
+    slots = output.view(-1).split(n)
+    slots[group_rank(group)].copy_(input.reshape(-1))
+    gathered = BroadcastGather([broadcast(slot, src, group, async_op=True) for src, slot in enumerate(slots)])  # type: ignore[misc]
+    if async_op:
+        return gathered
+    gathered.wait()
+    return None
 
 
 def reduce_scatter_tensor(

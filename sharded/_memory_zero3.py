@@ -46,14 +46,14 @@ def zero3_layout(
     for module, params in unit_params:
         units.append(_unit_size(params, world, param_dtype, is_root=module is model))
         shapes.extend(_rank0_shape(p, world) for p in params if p.requires_grad)
-    staged = device.type == "cpu" and world > 1
+    gloo = device.type == "cpu" and world > 1
     children = [params for module, params in unit_params if module is not model]
     if profile is not None:
         during = _activations_per_unit(list(model.parameters()), list(reversed(children)), profile)
     else:
         n = len(children)
         during = [declared_activations * (n - i) // n for i in range(n)] + [0]
-    backward, communication = _backward_walk(units, world, reshard_after_forward, staged, during)
+    backward, communication = _backward_walk(units, world, reshard_after_forward, gloo, during)
     shard = sum(u.shard_bytes for u in units)
     grads = sum(u.grad_bytes for u in units)
     full = sum(u.full_bytes for u in units)
@@ -105,7 +105,7 @@ def _activations_per_unit(
 
 
 def _backward_walk(
-    units: list[UnitSize], world: int, reshard_after_forward: bool, staged: bool, activations: list[int]
+    units: list[UnitSize], world: int, reshard_after_forward: bool, gloo: bool, activations: list[int]
 ) -> tuple[int, int]:
     """The most bytes of gradients and communication buffers alive at once during backward, and
     the communication part of that moment, walking the units in backward order (children last
@@ -120,8 +120,8 @@ def _backward_walk(
     activations alive while the ``i``-th unit of the walk computes; the last, at the root's
     reduction.
 
-    ``staged`` (CPU, gloo): an all-gather in flight holds gloo's own output-sized buffer beside
-    ours (it gathers into a new flat tensor, then copies out), so a prefetch counts twice; a
+    A prefetch in flight holds its output buffer only (on gloo ``_comm.all_gather_into_tensor``
+    broadcasts into it rather than through a buffer of gloo's own). ``gloo`` (CPU): a
     reduce-scatter copies its input before the call returns (the send buffer is freed then)
     and holds the other ranks' chunks, ``(world - 1) / world`` of it, until it completes. With
     NCCL the send buffer itself stays until the reduction is waited for.
@@ -131,10 +131,10 @@ def _backward_walk(
     order = list(reversed(children))
 
     def in_flight(u: UnitSize) -> int:
-        return MAX_REDUCTIONS_IN_FLIGHT * (u.gathered_bytes * (world - 1) // world if staged else u.gathered_bytes)
+        return MAX_REDUCTIONS_IN_FLIGHT * (u.gathered_bytes * (world - 1) // world if gloo else u.gathered_bytes)
 
     def prefetching(u: UnitSize) -> int:
-        return u.gathered_bytes * (2 if staged else 1)
+        return u.gathered_bytes
 
     held_root = root.gathered_bytes + root.full_bytes
     peak, comm_at_peak, done_grads = (activations[0], 0, 0) if not order else (0, 0, 0)

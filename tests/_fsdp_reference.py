@@ -182,24 +182,48 @@ class MixedBag(nn.Module):
 
 class CountCollectives:
     """Counts calls to torch.distributed's gathers and reductions while active (layer 3 looks
-    them up at call time, so patching the module attributes sees them)."""
+    them up at call time, so patching the module attributes sees them).
+
+    Layer 3's own all-gathers are counted where they start, at ``sharded._comm``'s
+    ``all_gather_into_tensor`` (on gloo that is one broadcast per rank, not a torch gather); a
+    torch gather it makes inside is not counted again. A user's gather (``set_custom_all_gather``)
+    calls torch's directly and is counted there."""
 
     GATHERS = ("all_gather_single", "all_gather_into_tensor")
     REDUCES = ("reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor", "all_reduce")
 
     def __enter__(self) -> "CountCollectives":
+        from sharded import _comm
+
         self.gathers, self.reduces, self.gathered_bytes = 0, 0, 0
+        self._inside_comm_gather = False
         self._saved = {name: getattr(dist, name) for name in self.GATHERS + self.REDUCES if hasattr(dist, name)}
         for name, fn in self._saved.items():
             setattr(dist, name, self._counting(name, fn))
+        self._comm, self._comm_gather = _comm, _comm.all_gather_into_tensor
+        _comm.all_gather_into_tensor = self._counting_comm_gather(self._comm_gather)
         return self
+
+    def _count_gather(self, sent) -> None:
+        self.gathers += 1
+        self.gathered_bytes += sent.numel() * sent.element_size()
+
+    def _counting_comm_gather(self, fn):
+        def counted(output, input, *args, **kwargs):
+            self._count_gather(input)
+            self._inside_comm_gather = True
+            try:
+                return fn(output, input, *args, **kwargs)
+            finally:
+                self._inside_comm_gather = False
+
+        return counted
 
     def _counting(self, name, fn):
         def counted(*args, **kwargs):
             if name in self.GATHERS:
-                self.gathers += 1
-                sent = args[1] if len(args) > 1 else kwargs.get("input_tensor")
-                self.gathered_bytes += sent.numel() * sent.element_size()
+                if not self._inside_comm_gather:
+                    self._count_gather(args[1] if len(args) > 1 else kwargs.get("input_tensor"))
             else:
                 self.reduces += 1
             return fn(*args, **kwargs)
@@ -207,5 +231,6 @@ class CountCollectives:
         return counted
 
     def __exit__(self, *exc) -> None:
+        self._comm.all_gather_into_tensor = self._comm_gather
         for name, fn in self._saved.items():
             setattr(dist, name, fn)

@@ -133,9 +133,37 @@ def _check_gloo_copies_reduce_scatter_input(rank, world):
     assert torch.equal(received, expected), (received, expected)
 
 
-def test_gloo_reduce_scatter_has_copied_its_input_when_it_returns():
-    """fully_shard frees a reduction's send buffer as soon as the collective returns, on gloo."""
-    run_on_ranks(_check_gloo_copies_reduce_scatter_input, 2)
+def _check_gloo_gathers_into_its_output(rank, world):
+    from examples.peak_memory import DataPeak
+
+    n = 4 << 20  # 16 MiB a rank: blocks this large are mapped and given back on free by glibc
+    sent = torch.arange(n, dtype=torch.float32) * (rank + 1) + 0.1 * rank
+    expected = torch.cat([torch.arange(n, dtype=torch.float32) * (r + 1) + 0.1 * r for r in range(world)])
+    for async_op in (True, False):
+        output = torch.zeros(world * n)
+        peak = DataPeak()
+        work = _comm.all_gather_into_tensor(output, sent, dist.group.WORLD, async_op=async_op)
+        if work is not None:
+            work.wait()
+        rise = peak.rise()
+        assert torch.equal(output, expected), f"rank {rank}: the gather is not a copy (async_op={async_op})"
+        # gloo's own all-gather stages the whole output in a buffer of its own (rise ~ output)
+        assert rise < output.numel() * 4 / 2, f"rank {rank}: gathering held {rise / 2**20:.1f} MiB beside the output"
+    empty = torch.empty(0)
+    _comm.all_gather_into_tensor(empty, empty, dist.group.WORLD, async_op=False)
+
+
+def _check_gloo_collectives(rank, world):
+    _check_gloo_copies_reduce_scatter_input(rank, world)
+    _check_gloo_gathers_into_its_output(rank, world)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_gloo_collectives_hold_no_buffer_beyond_their_output(world_size):
+    """fully_shard frees a reduction's send buffer as soon as the collective returns, on gloo,
+    and a gather in flight holds its output only (a prefetch overlapping compute would otherwise
+    hold two units' worth)."""
+    run_on_ranks(_check_gloo_collectives, world_size)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

@@ -22,22 +22,24 @@ from tests._models import gpt, gpt_loss, token_batch
 
 
 class GatherGroupSizes:
-    """Records the size of the group of every all-gather while active."""
+    """Records the size of the group of every all-gather layer 3 starts while active (at
+    ``sharded._comm``, where a gather starts on every backend)."""
 
     def __enter__(self) -> list[int]:
-        self.name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
-        self.original = getattr(dist, self.name)
+        from sharded import _comm
+
+        self.comm, self.original = _comm, _comm.all_gather_into_tensor
         self.sizes: list[int] = []
 
-        def spy(output, input, group=None, async_op=False):
+        def spy(output, input, group=None, async_op=True):
             self.sizes.append(dist.get_world_size(group))
-            return self.original(output, input, group=group, async_op=async_op)
+            return self.original(output, input, group, async_op=async_op)
 
-        setattr(dist, self.name, spy)
+        self.comm.all_gather_into_tensor = spy
         return self.sizes
 
     def __exit__(self, *exc) -> None:
-        setattr(dist, self.name, self.original)
+        self.comm.all_gather_into_tensor = self.original
 
 
 def _secondary_shard_cases(rank, world):

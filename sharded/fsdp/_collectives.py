@@ -33,7 +33,7 @@ def new_buffer(numel: int, dtype: torch.dtype, device: torch.device, comm: Optio
 class PendingGather:
     """An all-gather in flight: ``output`` is valid once ``work`` is waited for."""
 
-    work: Optional[dist.Work]
+    work: Optional[_comm.Waitable]
     output: torch.Tensor
     sent: torch.Tensor  # kept alive until the collective has read it
 
