@@ -153,9 +153,6 @@ class BroadcastGather:
             self._works.pop(0).wait()
         return True
 
-    def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self._works)
-
 
 def all_gather_into_tensor(
     output: torch.Tensor, input: torch.Tensor, group: ProcessGroup, async_op: bool = True

@@ -43,18 +43,16 @@ def replicated_layout(
     sent = int(2 * ring * grad_bytes)
     ready = _ready_order(all_params, params, profile)
     if stage == 0:
-        calls = _ddp_bucket_count(params) if world > 1 else 0
-        backward = grad_bytes + _keep_all_walk(ready, profile, declared_activations)
-        return Layout(param_bytes, grad_bytes, grad_bytes, backward, grad_bytes, 2 * param_bytes, 0,
-                      [(p.shape, p.dtype) for p in params], sent, calls, 1.0)
-    partition = Partition.build([list(params)], world)
-    loads = partition.trainable_bytes_per_rank()
-    busiest = max(range(world), key=loads.__getitem__)
-    owned = [params[i] for i in partition.owned_indices(busiest, trainable_only=True)]
-    share = loads[busiest] / max(1, sum(loads))
-    shapes = [(p.shape, p.dtype) for p in owned]
-    if stage == 1:  # DDP's all-reduce, then the owners' broadcasts
-        calls = (_ddp_bucket_count(params) + _broadcast_count(partition, params)) if world > 1 else 0
+        shapes, calls, share = [(p.shape, p.dtype) for p in params], 0, 1.0
+    else:
+        partition = Partition.build([list(params)], world)
+        loads = partition.trainable_bytes_per_rank()
+        busiest = max(range(world), key=loads.__getitem__)
+        owned = [params[i] for i in partition.owned_indices(busiest, trainable_only=True)]
+        shapes = [(p.shape, p.dtype) for p in owned]
+        calls, share = _broadcast_count(partition, params), loads[busiest] / max(1, sum(loads))
+    if stage < 2:  # DDP's all-reduce (then, for ZeRO-1, the owners' broadcasts)
+        calls = (_ddp_bucket_count(params) + calls) if world > 1 else 0
         backward = grad_bytes + _keep_all_walk(ready, profile, declared_activations)
         return Layout(param_bytes, grad_bytes, grad_bytes, backward, grad_bytes, 2 * param_bytes, 0,
                       shapes, sent, calls, share)
@@ -65,7 +63,7 @@ def replicated_layout(
         backward, communication = declared_activations + owned_grads + in_flight, in_flight
     else:
         backward, communication = _zero2_walk(ready, buckets, busiest, profile, lazy_pages=device.type == "cpu")
-    calls = (len(buckets) + _broadcast_count(partition, params)) if world > 1 else 0
+    calls = (len(buckets) + calls) if world > 1 else 0
     return Layout(param_bytes, owned_grads, communication, backward, 0, 2 * param_bytes, 0,
                   shapes, sent, calls, share)
 
