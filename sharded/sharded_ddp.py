@@ -64,7 +64,8 @@ class ShardedDataParallel(nn.Module):
             activation checkpointing). The first synced backward is learned as without it; from
             then on each backward skips the small all-reduce in which ranks agree on gradients
             that arrived after their bucket left, and the owner no longer reads back which
-            gradients some rank produced: one collective and two host syncs fewer per step. A
+            gradients some rank produced: one collective per step fewer, and the host syncs
+            that read its result and each owned bucket's flags at the end of backward. A
             backward that breaks the promise raises ``RuntimeError`` on the rank that sees it,
             naming the parameter; as with DDP, if only some ranks change their graph, the others
             wait in their next collective until the process group's timeout. On one rank there
