@@ -30,9 +30,9 @@ reduce the owner knows which parameters no rank used, and leaves their gradients
 With ``static_graph`` (DDP's switch of that name) the first synced backward runs as above and
 teaches the graph: each parameter's count of arrivals, and which parameters some rank used. From
 then on the agreement is skipped and the owner hands out the learned set instead of reading the
-flags back: no collective and no host sync beyond the reduces themselves. A gradient that arrives
-late, or a count that differs from the learned one at the flush, raises on that rank instead of
-being reduced in a pass the other ranks no longer join.
+flags back: no collective beyond the bucket reduces, and no host sync at the flush. A gradient
+that arrives late, or a count that differs from the learned one at the flush, raises on that
+rank instead of being reduced in a pass the other ranks no longer join.
 """
 
 from __future__ import annotations
@@ -382,8 +382,8 @@ class GradRouter:
         Only a real backward (``after_backward``) can have late gradients or teach the order;
         an explicit ``reduce()`` skips the agreement on late gradients, since no hook fired.
         Once ``static_graph`` has fixed the graph, a backward checks its arrival counts instead
-        (before any collective, so ranks that all see the change all raise) and hands out the
-        learned set of used gradients."""
+        (before the flush launches anything, so ranks that all see the change all raise alike)
+        and hands out the learned set of used gradients."""
         bw = self._pass
         bw.flushed_at = time.perf_counter()
         fixed = after_backward and self._graph_fixed
