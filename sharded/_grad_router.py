@@ -26,6 +26,13 @@ the second reduce.
 
 Each bucket carries one extra element per parameter, 1 where the gradient was produced. After the
 reduce the owner knows which parameters no rank used, and leaves their gradients alone as DDP does.
+
+With ``static_graph`` (DDP's switch of that name) the first synced backward runs as above and
+teaches the graph: each parameter's count of arrivals, and which parameters some rank used. From
+then on the agreement is skipped and the owner hands out the learned set instead of reading the
+flags back: no collective beyond the bucket reduces, and no host sync at the flush. A gradient
+that arrives late, or a count that differs from the learned one at the flush, raises on that
+rank instead of being reduced in a pass the other ranks no longer join.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ import functools
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional, Sequence, cast
+from typing import NoReturn, Optional, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -84,6 +91,8 @@ class BackwardStats:
             if all left with the last gradient or at the end-of-backward flush. A bucket that
             leaves three quarters of the way through counts a quarter of its bytes, however
             early a small first bucket left.
+        agreed_on_late_gradients: whether this backward ran the small all-reduce in which the
+            ranks agree on late gradients; False once ``static_graph`` has learned the graph.
     """
 
     buckets: int
@@ -92,6 +101,7 @@ class BackwardStats:
     peak_bucket_bytes: int
     overlap: float
     overlap_bytes: float
+    agreed_on_late_gradients: bool
 
 
 class GradRouter:
@@ -104,6 +114,9 @@ class GradRouter:
         bucket_numel: most elements per bucket; larger gradients travel alone.
         reduce_fp16: reduce fp32/fp64 gradients in fp16 (bf16 and fp16 stay as they are).
         names: parameter -> its name in the module, for error messages.
+        static_graph: learn the gradients from the first synced backward, then skip the
+            per-backward agreement on late gradients and the read of the 'used' flags; a later
+            backward that produces other gradients raises (see the module docstring).
     """
 
     def __init__(
@@ -114,6 +127,7 @@ class GradRouter:
         bucket_numel: int,
         reduce_fp16: bool,
         names: Optional[dict[torch.Tensor, str]] = None,
+        static_graph: bool = False,
     ) -> None:
         self.group = group
         self.rank = _comm.group_rank(group)
@@ -126,6 +140,10 @@ class GradRouter:
         self._scale = 1.0 / self.world_size  # pre-divide, as DDP does
         self._expected = [1] * len(self.params)
         self._order_observed = False
+        self._static_graph = static_graph
+        self._graph_fixed = False  # static_graph, and the first synced backward has taught it
+        self._used_indices: set[int] = set()  # parameters some rank used, while learning
+        self._used_slots: list[list[bool]] = []  # per bucket, once the graph is fixed
         self._plan(self.params)
         self.phase = Phase.IDLE
         self.sync_enabled = True  # False: the last forward ran inside no_sync()
@@ -217,6 +235,8 @@ class GradRouter:
             return
         b, slot = self._location[index]
         if b < bw.next_launch:
+            if self._graph_fixed:
+                self._raise_graph_changed(index, "arrived after its bucket had been reduced")
             self._keep_late(index, param, grad)
             return
         self._fill(b).add(slot, grad, self._scale)
@@ -257,6 +277,22 @@ class GradRouter:
                 "terms, or DistributedDataParallel"
             )
 
+    def _raise_graph_changed(self, index: int, what: str) -> NoReturn:
+        raise RuntimeError(
+            f"rank {self.rank}: the gradient of parameter {self._name(self.params[index])} {what}: "
+            "the backward produced other gradients than the first one did. static_graph=True "
+            "assumes the same gradients every iteration; construct ShardedDataParallel without it "
+            "for a graph that changes"
+        )
+
+    def _check_graph_unchanged(self, bw: Pass) -> None:
+        """With the graph fixed: every parameter arrived as often as in the first backward."""
+        if bw.arrivals != self._expected:
+            index, (got, expected) = next(
+                (i, pair) for i, pair in enumerate(zip(bw.arrivals, self._expected)) if pair[0] != pair[1]
+            )
+            self._raise_graph_changed(index, f"arrived {got} time(s) in this backward, {expected} in the first")
+
     def _name(self, param: torch.Tensor) -> str:
         return self._names.get(param, f"of shape {tuple(param.shape)}")
 
@@ -296,7 +332,7 @@ class GradRouter:
         bw = self._pass
         fill = bw.fills[b]
         if fill is None:
-            fill = bw.fills[b] = Fill(self.buckets[b])
+            fill = bw.fills[b] = Fill(self.buckets[b], b)
             bw.hold(fill.nbytes)
         return fill
 
@@ -344,9 +380,16 @@ class GradRouter:
     def _flush(self, after_backward: bool) -> None:
         """End of backward: launch what is left, reduce late gradients, hand out the results.
         Only a real backward (``after_backward``) can have late gradients or teach the order;
-        an explicit ``reduce()`` skips the agreement on late gradients, since no hook fired."""
+        an explicit ``reduce()`` skips the agreement on late gradients, since no hook fired.
+        Once ``static_graph`` has fixed the graph, a backward checks its arrival counts instead
+        (before the flush launches anything, so ranks that all see the change all raise alike)
+        and hands out the learned set of used gradients."""
         bw = self._pass
         bw.flushed_at = time.perf_counter()
+        fixed = after_backward and self._graph_fixed
+        if fixed:
+            self._check_graph_unchanged(bw)
+        learning = after_backward and self._static_graph and not self._graph_fixed
         with torch.profiler.record_function("sharded::flush_pending_reduces"):
             for index in bw.partial:  # fewer arrivals than last time: what came is complete
                 b, slot = self._location[index]
@@ -355,13 +398,13 @@ class GradRouter:
                 param.grad = None
             for b in range(bw.next_launch, len(self.buckets)):
                 self._launch(b)
-            if after_backward:
+            if after_backward and not fixed:
                 self._reduce_late_gradients()
             while bw.in_flight:
-                self._finish(*bw.in_flight.popleft())
+                self._finish(*bw.in_flight.popleft(), fixed=fixed, learning=learning)
         self.phase = Phase.REDUCED
         if after_backward:
-            self._learn_from(bw)
+            self._learn_from(bw, agreed=not fixed)
 
     def _reduce_late_gradients(self) -> None:
         """Agree which buckets received gradients after they left, then reduce those again."""
@@ -372,7 +415,7 @@ class GradRouter:
         needs = needs.to(_comm.comm_device(self.group))
         _comm.all_reduce(needs, self.group, dist.ReduceOp.MAX)
         for b in needs.nonzero().flatten().tolist():
-            fill = Fill(self.buckets[b])
+            fill = Fill(self.buckets[b], b)
             bw.hold(fill.nbytes)
             for slot, index in enumerate(self._members[b]):
                 if index in bw.late:
@@ -381,17 +424,27 @@ class GradRouter:
             bw.late_reduces += 1
             self._send(fill, is_correction=True)
 
-    def _finish(self, fill: Fill, work: dist.Work, is_correction: bool) -> None:
-        """Wait for a bucket's reduce; the owner takes the results, everyone else lets go."""
+    def _finish(
+        self, fill: Fill, work: dist.Work, is_correction: bool, fixed: bool = False, learning: bool = False
+    ) -> None:
+        """Wait for a bucket's reduce; the owner takes the results, everyone else lets go.
+
+        With the graph ``fixed`` the owner hands out the learned set of used gradients instead
+        of reading the flags; while ``learning`` it records the flags it read.
+        """
         with torch.profiler.record_function("sharded::wait_reduce"):
             work.wait()
         if fill.bucket.owner == self.rank:
-            fill.hand_out(add_to_existing=is_correction)
+            used = fill.hand_out(is_correction, self._used_slots[fill.index] if fixed else None)
+            if learning:
+                members = self._members[fill.index]
+                self._used_indices.update(members[slot] for slot, flag in enumerate(used) if flag > 0)
         else:
             self._pass.held_bytes -= fill.nbytes
 
-    def _learn_from(self, bw: Pass) -> None:
-        """Expect as many arrivals per parameter as this backward had; re-plan once by its order."""
+    def _learn_from(self, bw: Pass, agreed: bool) -> None:
+        """Expect as many arrivals per parameter as this backward had; re-plan once by its order;
+        with ``static_graph``, fix the graph after the first."""
         self._expected = list(bw.arrivals)
         self.last_backward = BackwardStats(
             buckets=len(self.buckets),
@@ -400,10 +453,15 @@ class GradRouter:
             peak_bucket_bytes=bw.peak_bytes,
             overlap=self._overlap_share(bw),
             overlap_bytes=self._overlap_bytes_share(bw),
+            agreed_on_late_gradients=agreed,
         )
         if not self._order_observed:
             self._order_observed = True
             self._plan(self._agreed_ready_order(bw))
+        if self._static_graph and not self._graph_fixed:
+            self._graph_fixed = True
+            self._used_slots = [[i in self._used_indices for i in members] for members in self._members]
+            self._used_indices = set()
 
     def _overlap_share(self, bw: Pass) -> float:
         started = min(self._backward_started_at, bw.started_at)

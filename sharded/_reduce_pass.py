@@ -21,8 +21,9 @@ __all__ = ["Fill", "Pass"]
 class Fill:
     """One bucket's buffer during one backward: gradients, then one 'used' flag per parameter."""
 
-    def __init__(self, bucket: ReduceBucket) -> None:
+    def __init__(self, bucket: ReduceBucket, index: int) -> None:
         self.bucket = bucket
+        self.index = index  # the bucket's position in the plan
         self.buffer = torch.empty(bucket.numel + len(bucket.params), dtype=bucket.wire_dtype, device=bucket.device)
         self.written = [False] * len(bucket.params)
 
@@ -60,9 +61,14 @@ class Fill:
         flags = torch.tensor(self.written, dtype=self.bucket.wire_dtype)
         self.buffer[self.bucket.numel :].copy_(flags, non_blocking=True)
 
-    def hand_out(self, add_to_existing: bool) -> None:
-        """On the owner: make each used slot its parameter's gradient (or add it to the one there)."""
-        used = self.buffer[self.bucket.numel :].tolist()
+    def hand_out(self, add_to_existing: bool, used: Optional[Sequence[float]] = None) -> Sequence[float]:
+        """On the owner: make each used slot its parameter's gradient (or add it to the one there).
+
+        ``used`` (one entry per slot, > 0 where some rank produced the gradient) replaces the
+        reduced flags, whose read is a host sync on an accelerator; returns the flags applied.
+        """
+        if used is None:
+            used = self.buffer[self.bucket.numel :].tolist()
         for slot, p in enumerate(self.bucket.params):
             if used[slot] <= 0:
                 continue
@@ -71,6 +77,7 @@ class Fill:
                 p.grad.add_(reduced.to(p.dtype))
             else:
                 p.grad = reduced if reduced.dtype == p.dtype else reduced.to(p.dtype)
+        return used
 
 
 class Pass:

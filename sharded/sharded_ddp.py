@@ -59,6 +59,18 @@ class ShardedDataParallel(nn.Module):
             Parameters read any other way in between need :meth:`wait_for_params` first
             (``parameters()`` and ``named_parameters()`` of this wrapper wait by themselves),
             and so does a forward that reads another module's parameters without calling it.
+        static_graph: DDP's switch, keyword-only: promise that every synced backward produces
+            the same gradients (the same parameters used, each as many times, e.g. by reentrant
+            activation checkpointing). The first synced backward is learned as without it; from
+            then on each backward skips the small all-reduce in which ranks agree on gradients
+            that arrived after their bucket left, and the owner no longer reads back which
+            gradients some rank produced: one collective per step fewer, and the host syncs
+            that read its result and each owned bucket's flags at the end of backward. A
+            backward that breaks the promise raises ``RuntimeError`` on the rank that sees it,
+            naming the parameter; as with DDP, if only some ranks change their graph, the others
+            wait in their next collective until the process group's timeout. On one rank there
+            is nothing to reduce and nothing is checked. :meth:`refresh_trainable` starts the
+            learning again.
     """
 
     def __init__(
@@ -73,6 +85,8 @@ class ShardedDataParallel(nn.Module):
         reduce_fp16: bool = False,
         warn_on_trainable_params_changed: bool = True,
         overlap_param_broadcast: bool = False,
+        *,
+        static_graph: bool = False,
     ) -> None:
         super().__init__()
         self.module = module
@@ -85,6 +99,7 @@ class ShardedDataParallel(nn.Module):
         self.auto_refresh_trainable = auto_refresh_trainable
         self.reduce_fp16 = reduce_fp16
         self.warn_on_trainable_params_changed = warn_on_trainable_params_changed
+        self.static_graph = static_graph
         self._warned_trainability_change = False
         # bytes of parameters per graph when Dynamo compiles the module (see forward)
         self._split_bytes = split_bytes_for(reduce_buffer_size, list(module.parameters()))
@@ -303,6 +318,7 @@ class ShardedDataParallel(nn.Module):
             self.reduce_buffer_size,
             self.reduce_fp16,
             names={p: n for n, p in self.module.named_parameters()},
+            static_graph=self.static_graph,
         )
 
     def _trainable_params_covered_by_optimizers(self) -> list[torch.Tensor]:

@@ -253,8 +253,13 @@ def test_bad_strategy_arguments_are_refused_at_construction(kwargs, message):
 
 
 def test_ddp_options_that_sharded_ddp_learns_by_itself_are_accepted_at_stage_2():
-    strategy = ShardedDDPStrategy(find_unused_parameters=True, static_graph=True, broadcast_buffers=False)
+    strategy = ShardedDDPStrategy(find_unused_parameters=True, broadcast_buffers=False)
     assert strategy._wrapper_kwargs == {"broadcast_buffers": False, "reduce_fp16": False}
+
+
+def test_static_graph_is_passed_to_sharded_ddp_at_stage_2():
+    strategy = ShardedDDPStrategy(find_unused_parameters=True, static_graph=True)
+    assert strategy._wrapper_kwargs == {"static_graph": True, "reduce_fp16": False}
 
 
 def test_precision_plugins_become_sharded_and_others_are_refused():

@@ -23,8 +23,8 @@ INIT_SCALE = 2.0**24  # overflows fp16 gradients: the first steps are skipped
 STEPS = 5
 
 
-def _check_accumulation_across_skipped_steps(rank, world):
-    ref, ref_opt, ours, our_opt = _pair()
+def _check_accumulation_across_skipped_steps(rank, world, **sdp_kwargs):
+    ref, ref_opt, ours, our_opt = _pair(**sdp_kwargs)
     scalers = {id(ref): torch.amp.GradScaler("cpu", init_scale=INIT_SCALE),
                id(ours): ShardedGradScaler(init_scale=INIT_SCALE, device="cpu")}
     for step in range(STEPS):

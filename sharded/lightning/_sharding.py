@@ -36,8 +36,8 @@ __all__ = [
 
 # DDP options that mean nothing to ShardedDataParallel, which learns each parameter's gradient
 # count and order from the previous backward: accepted at stage 2 so that ``strategy=`` lines
-# written for DDP keep working, and dropped.
-_DDP_ONLY_NO_OPS = ("find_unused_parameters", "static_graph")
+# written for DDP keep working, and dropped. (``static_graph`` it takes, with DDP's meaning.)
+_DDP_ONLY_NO_OPS = ("find_unused_parameters",)
 # ShardedDataParallel's arguments that the strategy sets itself.
 _SET_BY_STRATEGY = ("self", "module", "sharded_optimizer", "process_group", "reduce_buffer_size", "reduce_fp16")
 

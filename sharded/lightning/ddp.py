@@ -58,8 +58,8 @@ class ShardedDDPStrategy(ShardedPrecisionPlugin, DDPStrategy):
             ``checkpoint_io``, ``precision_plugin``, ``process_group_backend``, ``timeout``,
             ``start_method``, ...) and, as there, the wrapper's: ``DistributedDataParallel``'s
             at stage 1; at stage 2 ``ShardedDataParallel``'s (``broadcast_buffers``,
-            ``sync_models_at_startup``, ``auto_refresh_trainable``, ...), where DDP's
-            ``find_unused_parameters`` and ``static_graph`` are accepted and unneeded.
+            ``sync_models_at_startup``, ``auto_refresh_trainable``, ``static_graph``, ...), where
+            DDP's ``find_unused_parameters`` is accepted and unneeded.
     """
 
     def __init__(
