@@ -74,6 +74,7 @@ IMPLS = {
     "zero1": "sharded OSS + DDP",
     "zero2": "sharded OSS + ShardedDDP",
     "zero2_overlap": "sharded OSS + SDP, overlapped broadcast",
+    "zero2_static": "sharded OSS + SDP, static graph",
     "zero2_fp16": "sharded OSS + SDP, fp16 on the wire",
     "zero2_compile": "sharded OSS + SDP, torch.compile",
     "zero2_unused": "sharded OSS + SDP, 1 unused parameter",
@@ -91,6 +92,7 @@ IMPLS = {
 SHORT_NAMES = {"ddp": "DDP", "torch_zero": "torch ZeRO\n+ DDP", "fairscale": "fairscale\nOSS + SDP",
                "zero1": "sharded\nOSS + DDP", "zero2": "sharded\nOSS + SDP",
                "zero2_fp16": "sharded SDP\nfp16 wire", "ideal": "ideal", "zero2_overlap": "sharded SDP\noverlap bcast",
+               "zero2_static": "sharded SDP\nstatic graph",
                "zero2_compile": "sharded SDP\ncompile", "zero2_unused": "sharded SDP\nunused param",
                "fsdp2": "torch\nFSDP2", "fsdp2_no_reshard": "torch FSDP2\nno reshard",
                "fsdp1": "torch\nFSDP1", "zero3": "sharded\nZeRO-3", "zero3_grad_op": "sharded\nSHARD_GRAD_OP",
@@ -164,8 +166,9 @@ def build(impl: str, model: nn.Module):
         return DDP(model), opt, True, opt.optim
     if impl == "zero2_compile":
         model = torch.compile(model)
-    overlap = impl == "zero2_overlap"
-    return ShardedDataParallel(model, opt, reduce_fp16=fp16_wire, overlap_param_broadcast=overlap), opt, True, opt.optim
+    overlap, static = impl == "zero2_overlap", impl == "zero2_static"
+    wrapped = ShardedDataParallel(model, opt, reduce_fp16=fp16_wire, overlap_param_broadcast=overlap, static_graph=static)
+    return wrapped, opt, True, opt.optim
 
 
 def build_fully_sharded(impl: str, model: nn.Module):
