@@ -151,6 +151,7 @@ class GradRouter:
         self._pass = Pass(len(self.params), [0] * len(self.buckets))
         self._end_queued = False
         self._backward_started_at = 0.0
+        self._unreducible: set[int] = set()  # parameters whose hook saw a sparse or graph-carrying gradient
         # On one rank every gradient is already complete where autograd put it.
         self._hooks = [
             p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, index))
@@ -189,9 +190,7 @@ class GradRouter:
         """
         if torch._C._current_graph_task_id() != -1:
             return  # recomputation inside a backward (reentrant checkpointing)
-        for p in self.params:
-            if p.grad is not None:
-                self._check_reducible(p, p.grad)
+        self._check_held_grads()
         self._end_queued = False
         if self.phase is Phase.BACKWARD:
             self.phase = Phase.IDLE
@@ -210,18 +209,22 @@ class GradRouter:
         """Reduce whatever gradients the parameters hold now (e.g. after ``no_sync`` steps)."""
         if self.world_size == 1:
             return
+        self._check_held_grads()
         self._begin_backward(current=None)
         self._flush(after_backward=False)
 
     # ------------------------------------------------------------------------- hot path
 
     def _on_grad_ready(self, index: int, param: torch.Tensor) -> None:
+        grad = cast(torch.Tensor, param.grad)  # a post-accumulate-grad hook: it is set
+        if grad.is_sparse or grad.requires_grad:
+            self._unreducible.add(index)  # the next forward (or reduce) raises while it is held
+            if self.sync_enabled:
+                self._check_reducible(param, grad)
         if not self.sync_enabled:
             if self.phase is Phase.REDUCED:  # no step consumed the last reduce (a skipped one)
                 self._leave_reduced(current=param)  # decide before no_sync() refills the grads
             return
-        grad = cast(torch.Tensor, param.grad)  # a post-accumulate-grad hook: it is set
-        self._check_reducible(param, grad)
         if self.phase is not Phase.BACKWARD:
             self._begin_backward(current=param)
             self._queue_end_of_backward()
@@ -261,6 +264,27 @@ class GradRouter:
         else:
             late[index] = grad.mul(self._scale).to(self.buckets[self._location[index][0]].wire_dtype)
         param.grad = None
+
+    def _check_held_grads(self) -> None:
+        """Raise, before any collective, for a held gradient that no reduce could carry.
+
+        On several ranks the hooks note such gradients as they arrive (a synced backward raises
+        at once, one inside ``no_sync`` leaves it to here), so only those are looked at; gradients
+        set by hand are checked where a bucket takes them in (:meth:`Fill.seal`). One rank has no
+        hooks: every held gradient is looked at.
+        """
+        if self.world_size == 1:
+            for p in self.params:
+                if p.grad is not None:
+                    self._check_reducible(p, p.grad)
+            return
+        if not self._unreducible:
+            return
+        for index in sorted(self._unreducible):
+            p = self.params[index]
+            if p.grad is not None:
+                self._check_reducible(p, p.grad)
+        self._unreducible.clear()
 
     def _check_reducible(self, param: torch.Tensor, grad: torch.Tensor) -> None:
         if grad.is_sparse:
@@ -339,7 +363,7 @@ class GradRouter:
     def _launch(self, b: int) -> None:
         bw = self._pass
         fill = self._fill(b)
-        fill.seal(self._scale)
+        fill.seal(self._scale, check=self._check_reducible)
         bw.fills[b] = None
         bw.next_launch = b + 1
         self._send(fill, is_correction=False)

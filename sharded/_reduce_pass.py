@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,7 @@ class Fill:
         self.index = index  # the bucket's position in the plan
         self.buffer = torch.empty(bucket.numel + len(bucket.params), dtype=bucket.wire_dtype, device=bucket.device)
         self.written = [False] * len(bucket.params)
+        self.num_written = 0
 
     @property
     def nbytes(self) -> int:
@@ -43,23 +44,38 @@ class Fill:
         else:
             torch.mul(grad, scale, out=view)
             self.written[slot] = True
+            self.num_written += 1
 
-    def seal(self, scale: float, take_held_grads: bool = True) -> None:
+    def seal(
+        self,
+        scale: float,
+        take_held_grads: bool = True,
+        check: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None,
+    ) -> None:
         """Ready the buffer to send: slots with nothing are zeroed and the used flags written.
 
         With ``take_held_grads``, gradients the parameters hold but never announced (kept from
-        ``no_sync`` steps, or zeros left by ``zero_grad(set_to_none=False)``) are taken in first.
+        ``no_sync`` steps, set by hand, or zeros left by ``zero_grad(set_to_none=False)``) are
+        taken in first, each passed to ``check`` (which may raise) before any is taken.
         """
-        for slot, p in enumerate(self.bucket.params):
-            if self.written[slot]:
-                continue
-            if take_held_grads and p.grad is not None:
-                self.add(slot, p.grad, scale)
-                p.grad = None
-            else:
+        used = self.buffer[self.bucket.numel :]
+        if self.num_written == len(self.written):  # every parameter arrived: the common case
+            used.fill_(1)
+            return
+        empty = [slot for slot, written in enumerate(self.written) if not written]
+        params = self.bucket.params
+        held = [slot for slot in empty if params[slot].grad is not None] if take_held_grads else []
+        if check is not None:
+            for slot in held:
+                check(params[slot], cast(torch.Tensor, params[slot].grad))
+        for slot in held:
+            self.add(slot, cast(torch.Tensor, params[slot].grad), scale)
+            params[slot].grad = None
+        for slot in empty:
+            if not self.written[slot]:
                 self.grad_view(slot).zero_()
         flags = torch.tensor(self.written, dtype=self.bucket.wire_dtype)
-        self.buffer[self.bucket.numel :].copy_(flags, non_blocking=True)
+        used.copy_(flags, non_blocking=True)
 
     def hand_out(self, add_to_existing: bool, used: Optional[Sequence[float]] = None) -> Sequence[float]:
         """On the owner: make each used slot its parameter's gradient (or add it to the one there).

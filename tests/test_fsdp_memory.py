@@ -4,6 +4,8 @@ prefetch allows."""
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -133,6 +135,19 @@ def _check_gloo_copies_reduce_scatter_input(rank, world):
     assert torch.equal(received, expected), (received, expected)
 
 
+def _map_large_blocks_and_release_free_memory() -> None:
+    """Make any buffer a collective allocates raise the resident peak, whatever this process did
+    before: glibc serves large blocks from mappings of their own from now on (the setting the
+    memory runs start their ranks with; it also stops glibc from raising the threshold after a
+    large free), and gives back the pages of every free block it keeps, so that a buffer served
+    from freed heap faults its pages in again instead of hiding in memory already counted."""
+    libc = ctypes.CDLL(None)
+    if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim"):  # glibc (Linux, as /proc is)
+        m_mmap_threshold = -3
+        libc.mallopt(m_mmap_threshold, 64 << 10)
+        libc.malloc_trim(0)
+
+
 def _check_gloo_gathers_into_its_output(rank, world):
     from examples.peak_memory import DataPeak
 
@@ -141,6 +156,7 @@ def _check_gloo_gathers_into_its_output(rank, world):
     expected = torch.cat([torch.arange(n, dtype=torch.float32) * (r + 1) + 0.1 * r for r in range(world)])
     for async_op in (True, False):
         output = torch.zeros(world * n)
+        _map_large_blocks_and_release_free_memory()
         peak = DataPeak()
         work = _comm.all_gather_into_tensor(output, sent, dist.group.WORLD, async_op=async_op)
         if work is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 
 import pytest
 import torch
@@ -27,6 +28,18 @@ def _check_construction_errors(rank, world):
 
     with pytest.raises(TypeError, match="needs sharded.OSS optimizers"):
         ShardedDataParallel(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+    # a parameter added after wrapping is noticed at the next forward, as a requires_grad change is
+    hooks_before = len(torch.nn.modules.module._global_parameter_registration_hooks)
+    model = gpt()
+    sdp = ShardedDataParallel(model, OSS(model.parameters(), torch.optim.SGD, lr=0.1))
+    gpt_loss(sdp, token_batch(rank, 0)).backward()
+    model.extra = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"2 trainable parameter\(s\) are in no sharded optimizer: extra.weight, extra.bias"):
+        sdp(token_batch(rank, 1))
+    del sdp
+    gc.collect()
+    assert len(torch.nn.modules.module._global_parameter_registration_hooks) == hooks_before, "a dead wrapper's hook stayed"
 
     if world > 1:
         odd = gpt()
@@ -67,9 +80,41 @@ class _FunctionalSparse(nn.Module):
     def __init__(self):
         super().__init__()
         self.table = nn.Parameter(torch.randn(10, 4))
+        self.spare = nn.Parameter(torch.randn(3))  # used by no forward
 
-    def forward(self, idx):
-        return F.embedding(idx, self.table, sparse=True)
+    def forward(self, idx, sparse=True):
+        return F.embedding(idx, self.table, sparse=sparse)
+
+
+def _check_held_gradients_that_cannot_be_reduced(rank, world):
+    """Gradients that reach a synced step without passing a synced hook: accumulated inside
+    no_sync, or set by hand. Each raises, naming the parameter and the rank, before it is reduced."""
+    sparse_error = rf"rank {rank}: parameter {{}} got a sparse gradient"
+    model = _FunctionalSparse()
+    sdp = ShardedDataParallel(model, OSS(model.parameters(), torch.optim.SGD, lr=0.1))
+    with sdp.no_sync():
+        sdp(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match=sparse_error.format("table")):
+        sdp(torch.tensor([1, 2]), sparse=False).sum().backward()
+    if world > 1:
+        with pytest.raises(RuntimeError, match=sparse_error.format("table")):
+            sdp.reduce()
+    model = _FunctionalSparse()
+    sdp = ShardedDataParallel(model, OSS(model.parameters(), torch.optim.SGD, lr=0.1))
+    model.spare.grad = torch.zeros(3).to_sparse()
+    with pytest.raises(RuntimeError, match=sparse_error.format("spare")):
+        sdp(torch.tensor([1, 2]), sparse=False).sum().backward()
+    model = gpt()
+    sdp = ShardedDataParallel(model, OSS(model.parameters(), torch.optim.SGD, lr=0.1))
+    with sdp.no_sync():
+        gpt_loss(sdp, token_batch(rank, 0)).backward(create_graph=True)
+    with pytest.raises(RuntimeError, match=rf"rank {rank}: the gradient of parameter \S+ requires grad"):
+        gpt_loss(sdp, token_batch(rank, 1)).backward()
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_held_sparse_and_graph_gradients_raise_before_they_are_reduced(world_size):
+    run_on_ranks(_check_held_gradients_that_cannot_be_reduced, world_size)
 
 
 def _check_gradients_that_cannot_be_reduced(rank, world):
