@@ -155,32 +155,38 @@ def _check_graph_change_raises(rank, world):
         wrapped.remove_hooks()
 
 
-def _check_refresh_trainable_learns_again(rank, world):
-    """Freezing a layer mid-training rebuilds the router, which learns the new graph again."""
+def _assert_switch_changes_nothing(rank, world, train, what):
+    """``train(wrapped, optimizer, static_graph)`` with and without the switch: bit-identical."""
     runs = {}
     for static_graph in (True, False):
         model = _Net()
         wrapped, optimizer = _wrap(model, reduce_buffer_size=200, static_graph=static_graph)
         _train(wrapped, optimizer, _net_loss, rank, 2)
-        model.inp.requires_grad_(False)
+        train(wrapped, optimizer, static_graph)
+        runs[static_graph] = model
+    for a, b in zip(runs[True].parameters(), runs[False].parameters()):
+        assert torch.equal(a, b), f"static_graph changed the numbers {what}"
+
+
+def _check_refresh_trainable_learns_again(rank, world):
+    """Freezing a layer mid-training rebuilds the router, which learns the new graph again."""
+
+    def freeze_then_train(wrapped, optimizer, static_graph):
+        wrapped.module.inp.requires_grad_(False)
         _train(wrapped, optimizer, _net_loss, rank, 1, first=2)
         if world > 1:
             assert wrapped.backward_stats.agreed_on_late_gradients is True, "the new router learns first"
         _train(wrapped, optimizer, _net_loss, rank, 2, first=3)
         if world > 1:
             assert wrapped.backward_stats.agreed_on_late_gradients is not static_graph
-        runs[static_graph] = model
-    for a, b in zip(runs[True].parameters(), runs[False].parameters()):
-        assert torch.equal(a, b), "static_graph changed the numbers after refresh_trainable()"
+
+    _assert_switch_changes_nothing(rank, world, freeze_then_train, "after refresh_trainable()")
 
 
 def _check_explicit_reduce(rank, world):
     """All micro-steps inside no_sync, then reduce(): as without the switch, bit for bit."""
-    runs = {}
-    for static_graph in (True, False):
-        model = _Net()
-        wrapped, optimizer = _wrap(model, reduce_buffer_size=200, static_graph=static_graph)
-        _train(wrapped, optimizer, _net_loss, rank, 2)
+
+    def accumulate_then_reduce(wrapped, optimizer, static_graph):
         for step in range(2, 4):
             optimizer.zero_grad()
             with wrapped.no_sync():
@@ -188,9 +194,8 @@ def _check_explicit_reduce(rank, world):
                     _net_loss(wrapped, rank, 10 * step + micro).backward()
             wrapped.reduce()
             optimizer.step()
-        runs[static_graph] = model
-    for a, b in zip(runs[True].parameters(), runs[False].parameters()):
-        assert torch.equal(a, b), "static_graph changed the numbers of no_sync + reduce()"
+
+    _assert_switch_changes_nothing(rank, world, accumulate_then_reduce, "of no_sync + reduce()")
 
 
 def _check_all(rank, world):
