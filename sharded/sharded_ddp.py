@@ -10,17 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import weakref
 from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.modules.module import (
-    register_module_module_registration_hook,
-    register_module_parameter_registration_hook,
-)
-from torch.utils.hooks import RemovableHandle
 from torch.utils._pytree import tree_leaves
 
 from . import _comm
@@ -123,7 +117,6 @@ class ShardedDataParallel(nn.Module):
         for optimizer in self.sharded_optimizers:
             optimizer.register_step_post_hook(self._on_optimizer_step)
         self._router = self._build_router()
-        self._params_seen = _ParamsSnapshot(module)
         self._trainability = self._current_trainability()
         self._param_waits = ParamWaits(module, self.sharded_optimizers) if overlap_param_broadcast else None
 
@@ -271,7 +264,6 @@ class ShardedDataParallel(nn.Module):
             optimizer.refresh_trainable()
         self._router.remove_hooks()
         self._router = self._build_router()
-        self._params_seen.walk_again()
         self._trainability = self._current_trainability()
 
     def remove_hooks(self) -> None:
@@ -348,7 +340,7 @@ class ShardedDataParallel(nn.Module):
         return [p for _, p in named]
 
     def _current_trainability(self) -> tuple[bool, ...]:
-        return tuple([p.requires_grad for p in self._params_seen.params()])
+        return tuple(p.requires_grad for p in self.module.parameters())
 
     def _trainability_changed(self) -> bool:
         return self._trainability != self._current_trainability()
@@ -366,51 +358,6 @@ class ShardedDataParallel(nn.Module):
 
     def _start_broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> PendingBroadcasts:
         return start_broadcasts(plan_broadcasts([tensors], self.reduce_buffer_size), self.process_group)
-
-
-class _ParamsSnapshot:
-    """The module's parameters as of the last walk of its tree, walked again only when the tree
-    may have changed.
-
-    Every forward compares ``requires_grad`` with the last refresh; walking ``parameters()`` (a
-    generator over every submodule) for it is Python work per module and parameter at each
-    forward. A parameter or submodule added after wrapping must still be noticed at the next
-    forward, as a full walk notices it (a trainable one then fails the refresh, naming it): torch
-    calls its global registration hooks whenever any module registers one, and those mark the
-    snapshot stale. Removals (``del``, or assigning ``None``) call no hook and go unnoticed; the
-    router then waits for no gradient from the removed parameter after its first backward.
-    """
-
-    def __init__(self, module: nn.Module) -> None:
-        self._module = module
-        self._params: tuple[nn.Parameter, ...] = ()
-        self._stale = True
-        this = weakref.ref(self)
-
-        def mark_stale(*_: Any) -> None:
-            snapshot = this()
-            if snapshot is not None:
-                snapshot._stale = True
-
-        handles = [
-            register_module_parameter_registration_hook(mark_stale),
-            register_module_module_registration_hook(mark_stale),
-        ]
-        weakref.finalize(self, _remove_all, handles)
-
-    def walk_again(self) -> None:
-        self._stale = True
-
-    def params(self) -> tuple[nn.Parameter, ...]:
-        if self._stale:
-            self._params = tuple(self._module.parameters())
-            self._stale = False
-        return self._params
-
-
-def _remove_all(handles: list[RemovableHandle]) -> None:
-    for handle in handles:
-        handle.remove()
 
 
 def _check_no_sparse_gradients(module: nn.Module, rank: int) -> None:
