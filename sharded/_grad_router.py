@@ -142,8 +142,10 @@ class GradRouter:
         self._order_observed = False
         self._static_graph = static_graph
         self._graph_fixed = False  # static_graph, and the first synced backward has taught it
-        self._used_indices: set[int] = set()  # parameters some rank used, while learning
-        self._used_slots: list[list[bool]] = []  # per bucket, once the graph is fixed
+        self._used_here: set[int] = set()  # parameters this rank sent a gradient for, while learning
+        self._used: list[bool] = []  # per parameter: some rank used it (once the graph is fixed)
+        self._used_slots: list[list[bool]] = []  # the same per bucket slot
+        self._index_of = {p: i for i, p in enumerate(self.params)}
         self._plan(self.params)
         self.phase = Phase.IDLE
         self.sync_enabled = True  # False: the last forward ran inside no_sync()
@@ -301,6 +303,14 @@ class GradRouter:
                 "terms, or DistributedDataParallel"
             )
 
+    def _check_held_in_fixed_graph(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """A gradient held but never announced (no_sync, or set by hand) for a parameter the first
+        backward left unused: the owner would drop it, since it no longer reads the flags."""
+        self._check_reducible(param, grad)
+        index = self._index_of[param]
+        if not self._used[index]:
+            self._raise_graph_changed(index, "is held (accumulated inside no_sync() or set by hand), but no rank produced it in the first synced backward")
+
     def _raise_graph_changed(self, index: int, what: str) -> NoReturn:
         raise RuntimeError(
             f"rank {self.rank}: the gradient of parameter {self._name(self.params[index])} {what}: "
@@ -328,6 +338,7 @@ class GradRouter:
         self.phase = Phase.BACKWARD
         waiting = [sum(1 for i in members if self._expected[i] > 0) for members in self._members]
         self._pass = Pass(len(self.params), waiting)
+        self._pass.is_backward = current is not None
 
     def _leave_reduced(self, current: Optional[torch.Tensor]) -> None:
         """A backward (synced or inside no_sync) starts while the last reduce was not consumed
@@ -363,7 +374,10 @@ class GradRouter:
     def _launch(self, b: int) -> None:
         bw = self._pass
         fill = self._fill(b)
-        fill.seal(self._scale, check=self._check_reducible)
+        fixed = self._graph_fixed and bw.is_backward
+        fill.seal(self._scale, check=self._check_held_in_fixed_graph if fixed else self._check_reducible)
+        if self._static_graph and not self._graph_fixed and bw.is_backward:
+            self._used_here.update(self._members[b][slot] for slot, w in enumerate(fill.written) if w)
         bw.fills[b] = None
         bw.next_launch = b + 1
         self._send(fill, is_correction=False)
@@ -413,7 +427,6 @@ class GradRouter:
         fixed = after_backward and self._graph_fixed
         if fixed:
             self._check_graph_unchanged(bw)
-        learning = after_backward and self._static_graph and not self._graph_fixed
         with torch.profiler.record_function("sharded::flush_pending_reduces"):
             for index in bw.partial:  # fewer arrivals than last time: what came is complete
                 b, slot = self._location[index]
@@ -425,7 +438,7 @@ class GradRouter:
             if after_backward and not fixed:
                 self._reduce_late_gradients()
             while bw.in_flight:
-                self._finish(*bw.in_flight.popleft(), fixed=fixed, learning=learning)
+                self._finish(*bw.in_flight.popleft(), fixed=fixed)
         self.phase = Phase.REDUCED
         if after_backward:
             self._learn_from(bw, agreed=not fixed)
@@ -443,26 +456,24 @@ class GradRouter:
             bw.hold(fill.nbytes)
             for slot, index in enumerate(self._members[b]):
                 if index in bw.late:
+                    self._used_here.add(index)
                     fill.add(slot, bw.late.pop(index), 1.0)
             fill.seal(self._scale, take_held_grads=False)
             bw.late_reduces += 1
             self._send(fill, is_correction=True)
 
     def _finish(
-        self, fill: Fill, work: dist.Work, is_correction: bool, fixed: bool = False, learning: bool = False
+        self, fill: Fill, work: dist.Work, is_correction: bool, fixed: bool = False
     ) -> None:
         """Wait for a bucket's reduce; the owner takes the results, everyone else lets go.
 
         With the graph ``fixed`` the owner hands out the learned set of used gradients instead
-        of reading the flags; while ``learning`` it records the flags it read.
+        of reading the flags.
         """
         with torch.profiler.record_function("sharded::wait_reduce"):
             work.wait()
         if fill.bucket.owner == self.rank:
-            used = fill.hand_out(is_correction, self._used_slots[fill.index] if fixed else None)
-            if learning:
-                members = self._members[fill.index]
-                self._used_indices.update(members[slot] for slot, flag in enumerate(used) if flag > 0)
+            fill.hand_out(is_correction, self._used_slots[fill.index] if fixed else None)
         else:
             self._pass.held_bytes -= fill.nbytes
 
@@ -484,8 +495,13 @@ class GradRouter:
             self._plan(self._agreed_ready_order(bw))
         if self._static_graph and not self._graph_fixed:
             self._graph_fixed = True
-            self._used_slots = [[i in self._used_indices for i in members] for members in self._members]
-            self._used_indices = set()
+            used = torch.zeros(len(self.params), dtype=torch.int32)
+            used[list(self._used_here)] = 1
+            used = used.to(_comm.comm_device(self.group))
+            _comm.all_reduce(used, self.group, dist.ReduceOp.MAX)  # once: every rank learns the set
+            self._used = [bool(flag) for flag in used.tolist()]
+            self._used_slots = [[self._used[i] for i in members] for members in self._members]
+            self._used_here = set()
 
     def _overlap_share(self, bw: Pass) -> float:
         started = min(self._backward_started_at, bw.started_at)

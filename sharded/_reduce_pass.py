@@ -113,6 +113,7 @@ class Pass:
         self.late: dict[int, torch.Tensor] = {}  # arrived after the bucket left: scaled gradients
         self.launch_clocks: list[int] = []  # arrivals seen when each bucket left from a hook, in plan order
         self.late_reduces = 0
+        self.is_backward = True  # False: an explicit reduce(), which no hook started
         self.held_bytes = 0
         self.peak_bytes = 0
 

@@ -155,6 +155,31 @@ def _check_graph_change_raises(rank, world):
         wrapped.remove_hooks()
 
 
+def _check_held_gradient_of_an_unused_parameter_raises(rank, world):
+    """A gradient the first synced backward did not produce, held when a later one reduces
+    (accumulated inside no_sync by a branch the synced pass skips, or set by hand): the owner no
+    longer reads the flags, so it raises rather than drops it (it used to be dropped)."""
+    if world == 1:
+        return
+    for how, culprit in (("no_sync", "branch"), ("by hand", "unused")):
+        model = _Net()
+        wrapped, optimizer = _wrap(model, reduce_buffer_size=200, static_graph=True)
+        _train(wrapped, optimizer, _net_loss, rank, 2)
+        optimizer.zero_grad()
+        if how == "no_sync":
+            model.take_branch = True
+            with wrapped.no_sync():
+                _net_loss(wrapped, rank, 20).backward()
+            model.take_branch = False
+        else:
+            model.unused.weight.grad = torch.ones_like(model.unused.weight)
+        with pytest.raises(RuntimeError) as raised:
+            _net_loss(wrapped, rank, 21).backward()
+        message = str(raised.value)
+        assert f"rank {rank}:" in message and f"parameter {culprit}." in message and "no_sync" in message, message
+        wrapped.remove_hooks()
+
+
 def _assert_switch_changes_nothing(rank, world, train, what):
     """``train(wrapped, optimizer, static_graph)`` with and without the switch: bit-identical."""
     runs = {}
@@ -204,7 +229,8 @@ def _check_all(rank, world):
     _check_refresh_trainable_learns_again(rank, world)
     _check_explicit_reduce(rank, world)
     _check_accumulation_across_skipped_steps(rank, world, static_graph=True)
-    _check_graph_change_raises(rank, world)  # last: it leaves a failed backward behind
+    _check_held_gradient_of_an_unused_parameter_raises(rank, world)  # these two leave a failed backward behind
+    _check_graph_change_raises(rank, world)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
