@@ -339,8 +339,11 @@ class ShardedDataParallel(nn.Module):
             )
         return [p for _, p in named]
 
-    def _current_trainability(self) -> tuple[bool, ...]:
-        return tuple(p.requires_grad for p in self.module.parameters())
+    def _current_trainability(self) -> tuple[tuple[int, bool], ...]:
+        """Which parameters the module holds and whether each trains: a parameter added or
+        replaced after wrapping is a change too, so the refresh names it if no optimizer has it.
+        (Identities are safe to compare: the optimizers keep the old parameters alive.)"""
+        return tuple((id(p), p.requires_grad) for p in self.module.parameters())
 
     def _trainability_changed(self) -> bool:
         return self._trainability != self._current_trainability()

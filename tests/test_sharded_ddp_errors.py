@@ -28,6 +28,22 @@ def _check_construction_errors(rank, world):
     with pytest.raises(TypeError, match="needs sharded.OSS optimizers"):
         ShardedDataParallel(model, torch.optim.SGD(model.parameters(), lr=0.1))
 
+    # a parameter added after wrapping, by attribute or by a container's insert() (which registers
+    # nothing, and here of a layer built before the wrapper), or a parameter replaced, fails the
+    # next forward instead of never being trained
+    changes = (
+        (lambda m, extra: setattr(m, "extra", extra), r"2 trainable parameter\(s\) .*: extra\.weight, extra\.bias"),
+        (lambda m, extra: m.blocks.insert(0, extra), r"2 trainable parameter\(s\) .*: blocks\.0\.weight, blocks\.0\.bias"),
+        (lambda m, extra: setattr(m.ln, "weight", nn.Parameter(m.ln.weight.detach().clone())), r"1 trainable parameter\(s\) .*: ln\.weight"),
+    )
+    for change, names in changes:
+        model, extra = gpt(), nn.Linear(2, 2)
+        sdp = ShardedDataParallel(model, OSS(model.parameters(), torch.optim.SGD, lr=0.1))
+        gpt_loss(sdp, token_batch(rank, 0)).backward()
+        change(model, extra)
+        with pytest.raises(ValueError, match=names):
+            sdp(token_batch(rank, 1))
+
     if world > 1:
         odd = gpt()
         if rank == 0:
