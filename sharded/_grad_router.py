@@ -337,8 +337,7 @@ class GradRouter:
             self._leave_reduced(current)
         self.phase = Phase.BACKWARD
         waiting = [sum(1 for i in members if self._expected[i] > 0) for members in self._members]
-        self._pass = Pass(len(self.params), waiting)
-        self._pass.is_backward = current is not None
+        self._pass = Pass(len(self.params), waiting, is_backward=current is not None)
 
     def _leave_reduced(self, current: Optional[torch.Tensor]) -> None:
         """A backward (synced or inside no_sync) starts while the last reduce was not consumed

@@ -108,7 +108,6 @@ def _zero2_walk(
     size from its allocation."""
     location = {id(p): b for b, bucket in enumerate(buckets) for p in bucket.params}
     waiting = [len(bucket.params) for bucket in buckets]
-    itemsize = {b: torch.empty((), dtype=bucket.wire_dtype).element_size() for b, bucket in enumerate(buckets)}
     alive: dict[int, int] = {}
     sent: deque[int] = deque()
     next_launch = 0
@@ -125,13 +124,13 @@ def _zero2_walk(
     for k, p in enumerate(ready[: len(profile.ready_order)]):
         b = location[id(p)]
         if lazy_pages:
-            alive[b] = alive.get(b, 0) + p.numel() * itemsize[b]
+            alive[b] = alive.get(b, 0) + p.numel() * buckets[b].wire_dtype.itemsize
         else:
-            alive.setdefault(b, _bucket_bytes(buckets[b]))
+            alive.setdefault(b, buckets[b].buffer_nbytes)
         moment(profile.live_at_ready[k])
         waiting[b] -= 1
         while next_launch < len(buckets) and waiting[next_launch] == 0:
-            alive[next_launch] = _bucket_bytes(buckets[next_launch])  # sealed: every slot and flag written
+            alive[next_launch] = buckets[next_launch].buffer_nbytes  # sealed: every slot and flag written
             if buckets[next_launch].owner != rank:
                 sent.append(next_launch)
                 while len(sent) > MAX_SENDS_IN_FLIGHT:
@@ -139,11 +138,6 @@ def _zero2_walk(
             next_launch += 1
         moment(profile.stretch_peaks[k + 1])
     return peak, comm_at_peak
-
-
-def _bucket_bytes(bucket: ReduceBucket) -> int:
-    """A reduce bucket's buffer: its gradients and one 'used' flag per parameter."""
-    return (bucket.numel + len(bucket.params)) * torch.empty((), dtype=bucket.wire_dtype).element_size()
 
 
 def _ddp_bucket_count(params: Sequence[torch.Tensor]) -> int:
@@ -164,7 +158,7 @@ def _broadcast_count(partition: Partition, params: Sequence[torch.Tensor]) -> in
 def _reduce_window_bytes(buckets: Sequence[ReduceBucket], rank: int) -> int:
     """Most bytes of other owners' reduce buckets a rank holds at once: one filling while up to
     ``MAX_SENDS_IN_FLIGHT`` sent ones are still in flight."""
-    others = sorted((_bucket_bytes(b) for b in buckets if b.owner != rank), reverse=True)
+    others = sorted((b.buffer_nbytes for b in buckets if b.owner != rank), reverse=True)
     return sum(others[: MAX_SENDS_IN_FLIGHT + 1])
 
 

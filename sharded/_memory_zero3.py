@@ -133,15 +133,12 @@ def _backward_walk(
     def in_flight(u: UnitSize) -> int:
         return MAX_REDUCTIONS_IN_FLIGHT * (u.gathered_bytes * (world - 1) // world if gloo else u.gathered_bytes)
 
-    def prefetching(u: UnitSize) -> int:
-        return u.gathered_bytes
-
     held_root = root.gathered_bytes + root.full_bytes
     peak, comm_at_peak, done_grads = (activations[0], 0, 0) if not order else (0, 0, 0)
     previous: UnitSize | None = None
     for i, unit in enumerate(order):
         if reshard_after_forward:
-            gathered = unit.gathered_bytes + (prefetching(order[i + 1]) if i + 1 < len(order) else 0)
+            gathered = unit.gathered_bytes + (order[i + 1].gathered_bytes if i + 1 < len(order) else 0)
         else:  # SHARD_GRAD_OP: every unit not yet reached stays gathered
             gathered = sum(u.gathered_bytes for u in order[i:])
         comm = gathered + (in_flight(previous) if previous else 0)

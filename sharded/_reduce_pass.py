@@ -30,7 +30,7 @@ class Fill:
 
     @property
     def nbytes(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size()
+        return self.bucket.buffer_nbytes
 
     def grad_view(self, slot: int) -> torch.Tensor:
         p, offset = self.bucket.params[slot], self.bucket.offsets[slot]
@@ -77,11 +77,11 @@ class Fill:
         flags = torch.tensor(self.written, dtype=self.bucket.wire_dtype)
         used.copy_(flags, non_blocking=True)
 
-    def hand_out(self, add_to_existing: bool, used: Optional[Sequence[float]] = None) -> Sequence[float]:
+    def hand_out(self, add_to_existing: bool, used: Optional[Sequence[float]] = None) -> None:
         """On the owner: make each used slot its parameter's gradient (or add it to the one there).
 
         ``used`` (one entry per slot, > 0 where some rank produced the gradient) replaces the
-        reduced flags, whose read is a host sync on an accelerator; returns the flags applied.
+        reduced flags, whose read is a host sync on an accelerator.
         """
         if used is None:
             used = self.buffer[self.bucket.numel :].tolist()
@@ -93,13 +93,12 @@ class Fill:
                 p.grad.add_(reduced.to(p.dtype))
             else:
                 p.grad = reduced if reduced.dtype == p.dtype else reduced.to(p.dtype)
-        return used
 
 
 class Pass:
     """Bookkeeping of one synced backward (or one explicit reduce)."""
 
-    def __init__(self, num_params: int, waiting: Sequence[int]) -> None:
+    def __init__(self, num_params: int, waiting: Sequence[int], is_backward: bool = True) -> None:
         self.started_at = self.flushed_at = time.perf_counter()
         self.first_launch_at: Optional[float] = None
         self.fills: list[Optional[Fill]] = [None] * len(waiting)
@@ -113,7 +112,7 @@ class Pass:
         self.late: dict[int, torch.Tensor] = {}  # arrived after the bucket left: scaled gradients
         self.launch_clocks: list[int] = []  # arrivals seen when each bucket left from a hook, in plan order
         self.late_reduces = 0
-        self.is_backward = True  # False: an explicit reduce(), which no hook started
+        self.is_backward = is_backward  # False: an explicit reduce(), which no hook started
         self.held_bytes = 0
         self.peak_bytes = 0
 

@@ -47,6 +47,12 @@ class ReduceBucket:
         """Bytes of its gradients at the parameters' dtype (without the 'used' flags)."""
         return self.numel * self.params[0].element_size()
 
+    @property
+    def buffer_nbytes(self) -> int:
+        """Bytes of the buffer a reduce sends: the gradients, then one 'used' flag per
+        parameter, at the wire dtype."""
+        return (self.numel + len(self.params)) * self.wire_dtype.itemsize
+
 
 def plan_reduce_buckets(
     params: Sequence[torch.Tensor],

@@ -46,7 +46,6 @@ def test_reduce_fp16_narrows_only_fp32_and_wider():
     assert sorted(str(b.wire_dtype) for b in buckets) == ["torch.bfloat16", "torch.float16"]
 
 
-
 @pytest.mark.parametrize(
     "max_numel, window_sizes",
     [(10**6, [4, 36]), (2500, [2] * 20), (0, [1] * 40)],  # first 16000 bytes; the bucket size; alone
