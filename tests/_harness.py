@@ -13,7 +13,8 @@ A rank that reported success must also exit cleanly, with one exception: gloo's 
 exit (SIGABRT, "terminate called without an active exception"; plain torch DDP has it too).
 When every rank's body returned and a rank then died of SIGABRT while tearing down, the whole
 launch is retried once, with a warning saying so; a second such abort, an abort inside a body,
-or any other death fails the test.
+or any other death fails the test. :func:`run_job` does the same for a job started as a
+subprocess (torchrun, Lightning's launcher): one retry when the job failed only by that abort.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from __future__ import annotations
 import datetime
 import multiprocessing
 import os
+import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -29,12 +32,13 @@ import traceback
 import warnings
 from dataclasses import dataclass
 from multiprocessing.connection import wait
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["AbortAtExitRetried", "RankFailure", "run_on_ranks", "assert_same_on_all_ranks"]
+__all__ = ["AbortAtExitRetried", "RankFailure", "run_on_ranks", "run_job", "assert_same_on_all_ranks"]
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
 GRACE_AFTER_FIRST_ERROR = 3.0  # seconds the other ranks get to report their own errors
@@ -42,6 +46,7 @@ TEARDOWN_SECONDS = 30.0  # for ranks that reported success to leave the barrier 
 ABORTED = -signal.SIGABRT  # a process's exitcode when SIGABRT killed it
 TEARDOWN_FAILED = 3  # a rank's exit code when its teardown raised (a peer died in the barrier)
 _PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch.optim", "sharded", "tests._harness"]
+ABORT_AT_EXIT = "terminate called without an active exception"  # what libstdc++ prints before it
 _SECONDARY_ERRORS = ("Connection reset", "Connection closed", "Broken pipe", "Socket closed")
 _context = None
 
@@ -74,6 +79,47 @@ def run_on_ranks(
     if retry.aborted_at_exit():
         raise RankFailure(f"{retry.teardown_story()}\nthe first launch ended the same way; retried once only")
     return retry.results()
+
+
+def run_job(command: list[str], cwd: Path, writes: Optional[Path] = None, timeout: float = 300.0
+            ) -> subprocess.CompletedProcess:
+    """Run a multi-process job (``command``, its output captured) and return it once it exits 0.
+
+    Raises ``AssertionError`` with the output's tail otherwise. A job that failed only by gloo's
+    abort at exit is run once more, with an :class:`AbortAtExitRetried` warning, after the folder
+    it ``writes`` is put back as it was (a checkpoint the first run saved would change what a
+    second one does): its output holds the abort's message and no Python traceback from the
+    job's own code under ``cwd`` (a rank that raised always shows one; the launcher's own
+    traceback lies under the environment).
+    """
+    with tempfile.TemporaryDirectory(prefix="sharded-job-") as saved:
+        if writes is not None and writes.exists():
+            shutil.copytree(writes, Path(saved) / "before")
+        done = _run_once(command, cwd, timeout)
+        if done.returncode != 0 and _aborted_at_exit_only(done, cwd):
+            script = next((Path(part).name for part in command if part.endswith(".py")), command[0])
+            message = (f"{script}: {ABORT_AT_EXIT!r} and no traceback from the job's own code; gloo's "
+                       "known abort at exit, running the job once more")
+            print(message, file=sys.stderr, flush=True)
+            warnings.warn(message, AbortAtExitRetried, stacklevel=2)
+            if writes is not None:
+                shutil.rmtree(writes, ignore_errors=True)
+                if (Path(saved) / "before").exists():
+                    shutil.copytree(Path(saved) / "before", writes)
+            done = _run_once(command, cwd, timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def _run_once(command: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=cwd,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _aborted_at_exit_only(done: subprocess.CompletedProcess, cwd: Path) -> bool:
+    output = done.stdout + done.stderr
+    own_code = [f'File "{cwd / folder}' for folder in ("examples", "sharded", "tests")]
+    return ABORT_AT_EXIT in output and not any(frame in output for frame in own_code)
 
 
 @dataclass

@@ -12,7 +12,6 @@ adds only launch time (the resume itself is covered at world 3 by test_checkpoin
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch
 
 from examples.gpt import GPT
 from sharded import checkpoint
+from tests._harness import run_job
 from tests.test_checkpoint_resharding import assert_full_equal
 from tests.test_examples import ROOT, TINY
 
@@ -33,10 +33,7 @@ def _torchrun(out: Path, *extra: str) -> subprocess.CompletedProcess:
                "--max-restarts", "1", "--monitor-interval", "0.2", str(ROOT / "examples" / "train_gpt.py"),
                "--out", str(out), *TINY, "--stage", "2", "--steps", str(STEPS), "--save-every",
                str(SAVE_EVERY), "--resume", "--timeout", "30", *extra]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done
+    return run_job(command, cwd=ROOT, writes=out)
 
 
 def _final_state(out: Path) -> dict:

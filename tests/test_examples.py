@@ -3,11 +3,11 @@ at the end only) and resume."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
+
+from tests._harness import run_job
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--dim", "32", "--layers", "1", "--heads", "2", "--seq", "32", "--batch", "4", "--val-batches", "1"]
@@ -16,10 +16,7 @@ TINY = ["--dim", "32", "--layers", "1", "--heads", "2", "--seq", "32", "--batch"
 def _train(out: Path, *extra: str) -> str:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                str(ROOT / "examples" / "train_gpt.py"), "--out", str(out), *TINY, *extra]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done.stdout
+    return run_job(command, cwd=ROOT, writes=out).stdout
 
 
 def test_train_gpt_stages_agree_and_resume(tmp_path):

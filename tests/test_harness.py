@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests._harness import AbortAtExitRetried, RankFailure, assert_same_on_all_ranks, run_on_ranks
+from tests._harness import (ABORT_AT_EXIT, AbortAtExitRetried, RankFailure, assert_same_on_all_ranks, run_job,
+                            run_on_ranks)
 
 
 def _rank_and_sum(rank, world):
@@ -126,3 +129,54 @@ def test_an_abort_inside_the_body_fails_without_retry(tmp_path):
     with pytest.raises(RankFailure, match=r"rank 1 died:\nexited with code -6 before reporting a result"):
         run_on_ranks(_abort_in_the_body_on_rank_one, 2, log, timeout=30)
     assert len(open(log).readlines()) == 1
+
+
+# ------------------------------------------- the same abort in a job started as a subprocess
+
+
+_JOB = """
+import os, sys
+log = os.path.join(os.path.dirname(__file__), "runs")
+earlier = len(open(log).readlines()) if os.path.exists(log) else 0
+open(log, "a").write("run\\n")
+out = os.path.join(os.path.dirname(__file__), "out")
+os.makedirs(out, exist_ok=True)
+assert not os.path.exists(os.path.join(out, "written")), "the folder the job writes was not put back"
+open(os.path.join(out, "written"), "w").write("a checkpoint")
+if earlier < int(sys.argv[1]):
+    if sys.argv[2] == "raise":
+        raise ValueError("a bug in the job")
+    print({abort!r}, file=sys.stderr, flush=True)
+    os.abort()
+print("done")
+"""
+
+
+def _job(tmp_path, failing_runs: int, how: str) -> tuple[list[str], Path, Path]:
+    """A one-process job under ``tmp_path/examples`` whose first ``failing_runs`` runs fail ``how``
+    after writing into a folder it requires empty: its command, its log of runs, that folder."""
+    script = tmp_path / "examples" / "job.py"
+    script.parent.mkdir()
+    script.write_text(_JOB.format(abort=ABORT_AT_EXIT))
+    return [sys.executable, str(script), str(failing_runs), how], script.parent / "runs", script.parent / "out"
+
+
+def test_a_job_that_only_aborted_at_exit_runs_once_more_and_says_so(tmp_path):
+    command, runs, out = _job(tmp_path, 1, "abort")
+    with pytest.warns(AbortAtExitRetried, match="job.py: .*running the job once more"):
+        assert run_job(command, cwd=tmp_path, writes=out).stdout == "done\n"
+    assert len(runs.read_text().splitlines()) == 2
+
+
+def test_a_job_that_aborts_at_exit_twice_fails(tmp_path):
+    command, runs, out = _job(tmp_path, 99, "abort")
+    with pytest.warns(AbortAtExitRetried), pytest.raises(AssertionError, match=ABORT_AT_EXIT):
+        run_job(command, cwd=tmp_path, writes=out)
+    assert len(runs.read_text().splitlines()) == 2
+
+
+def test_a_job_whose_own_code_raised_fails_without_a_second_run(tmp_path):
+    command, runs, out = _job(tmp_path, 1, "raise")
+    with pytest.raises(AssertionError, match="a bug in the job"):
+        run_job(command, cwd=tmp_path, writes=out)
+    assert len(runs.read_text().splitlines()) == 1

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import math
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("lightning")
+
+from tests._harness import run_job
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--accelerator", "cpu", "--devices", "2", "--dim", "32", "--layers", "1", "--heads", "2", "--seq", "32",
@@ -20,9 +20,7 @@ TINY = ["--accelerator", "cpu", "--devices", "2", "--dim", "32", "--layers", "1"
 
 def _train(out: Path, *extra: str) -> tuple[float, float]:
     command = [sys.executable, str(ROOT / "examples" / "lightning_gpt.py"), "--out", str(out), *TINY, *extra]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = run_job(command, cwd=ROOT, writes=out)
     found = re.search(r"validation loss (\S+) -> (\S+) after 4 steps", done.stdout)
     assert found, done.stdout[-3000:]
     assert (out / "last.ckpt").exists()
