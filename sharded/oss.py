@@ -104,7 +104,7 @@ class OSS(Optimizer):
         self.broadcast_buffer_size = broadcast_buffer_size
         self.broadcast_fp16 = broadcast_fp16
         self.force_broadcast_object = force_broadcast_object
-        self._consolidated: Optional[dict[str, Any]] = None
+        self._consolidated: Optional[dict[int, Any]] = None  # global index -> state, on recipients
         self._warned_trainability_change = False
 
         super().__init__(as_param_groups(params, self.rank), defaults)
@@ -370,13 +370,14 @@ class OSS(Optimizer):
         merged = dict(mine)
         for shard in received.values():
             merged.update(shard)
-        self._push_hyperparams()
-        self._consolidated = consolidated_state_dict(merged, self.param_groups)
+        self._consolidated = merged
 
     def state_dict(self, all_ranks: bool = False) -> dict[str, Any]:
         """The full optimizer state in torch's format, as last consolidated on this rank.
 
-        With ``all_ranks=True`` it consolidates on every rank first (collective).
+        With ``all_ranks=True`` it consolidates on every rank first (collective). The param
+        groups are read now, as torch's and fairscale's are: hyperparameters a scheduler or the
+        user changed after the consolidation are saved as they are. Each call returns new dicts.
         """
         if all_ranks:
             self.consolidate_state_dict(recipient_rank=-1)
@@ -386,7 +387,8 @@ class OSS(Optimizer):
                 f"step; call consolidate_state_dict(recipient_rank={self.rank}) on all ranks "
                 "first, or state_dict(all_ranks=True)"
             )
-        return self._consolidated
+        states = {index: dict(state) for index, state in self._consolidated.items()}
+        return consolidated_state_dict(states, self.param_groups)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a full torch-format state dict (from OSS or a plain optimizer, any world size).

@@ -66,6 +66,31 @@ def test_state_dict_round_trips_with_plain_optimizers(world_size):
     run_on_ranks(_check_round_trips, world_size)
 
 
+def _check_state_dict_reads_current_hyperparameters(rank, world):
+    ref, ours = gpt(), gpt()
+    ref_opt = torch.optim.AdamW(ref.parameters(), **ADAM)
+    our_opt = OSS(ours.parameters(), torch.optim.AdamW, **ADAM)
+    schedulers = [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) for opt in (ref_opt, our_opt)]
+    _train(ref, ref_opt, rank, 2)
+    _train(ours, our_opt, rank, 2)
+
+    recipient = world - 1
+    our_opt.consolidate_state_dict(recipient_rank=recipient)
+    for opt, scheduler in zip((ref_opt, our_opt), schedulers):
+        scheduler.step()  # hyperparameters change between consolidating and saving
+        opt.param_groups[0]["weight_decay"] = 0.3
+    if rank == recipient:
+        saved = our_opt.state_dict()
+        _assert_state_dicts_equal(saved, ref_opt.state_dict())
+        saved["param_groups"][0]["lr"] = 123.0  # the caller's dict, as torch's state_dict() gives
+        _assert_state_dicts_equal(our_opt.state_dict(), ref_opt.state_dict())
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_state_dict_reads_hyperparameters_changed_after_consolidation(world_size):
+    run_on_ranks(_check_state_dict_reads_current_hyperparameters, world_size)
+
+
 def _save_checkpoint(rank, world, path):
     model = gpt()
     opt = OSS(model.parameters(), torch.optim.AdamW, **ADAM)
