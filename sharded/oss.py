@@ -403,7 +403,17 @@ class OSS(Optimizer):
         self.optim.state.clear()
         owner = self._partition.owner_of()
         self._adopt({param: state for param, state in states.items() if owner[param] == self.rank})
+        self._upgrade_loaded_state()
         self._consolidated = None
+
+    def _upgrade_loaded_state(self) -> None:
+        """Let the wrapped optimizer upgrade the state just loaded, as the last step of torch's
+        own ``load_state_dict`` does: its ``__setstate__`` turns a state dict saved by older torch
+        into the current format (Adam's float ``step`` becomes the tensor its step requires) and
+        fills param-group keys missing from it. Only the objects already held are passed, so
+        nothing is replaced."""
+        self.optim.__setstate__({"state": self.optim.state, "param_groups": self.optim.param_groups})
+        self._pull_hyperparams()
 
     # ------------------------------------------------------------------------- internals
 
