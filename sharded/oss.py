@@ -249,14 +249,17 @@ class OSS(Optimizer):
 
         Equals ``torch.nn.utils.clip_grad_norm_`` over the full model's gradients, but each rank
         only reads (and scales) the gradients of the parameters it owns. Collective.
-        ``filter_params_fn`` may narrow the rank's parameter list before the norm is taken;
-        ``error_if_nonfinite`` raises, before scaling, if the norm is inf or NaN (as torch's).
+        ``filter_params_fn`` narrows the rank's parameter list the norm is taken over (as in
+        fairscale, e.g. to count model-parallel copies once); every owned gradient is still
+        clipped by that norm. ``error_if_nonfinite`` raises, before scaling, if the norm is inf
+        or NaN (as torch's).
         """
         params = [self._partition.params[i] for i in self._partition.owned_indices(self.rank)]
-        if filter_params_fn is not None:
-            params = list(filter_params_fn(params))
         grads = [p.grad for p in params if p.grad is not None]
-        return clip_by_global_norm(grads, max_norm, norm_type, self.group, error_if_nonfinite)
+        if filter_params_fn is None:
+            return clip_by_global_norm(grads, max_norm, norm_type, self.group, error_if_nonfinite)
+        counted = [p.grad for p in filter_params_fn(params) if p.grad is not None]
+        return clip_by_global_norm(counted, max_norm, norm_type, self.group, error_if_nonfinite, clip=grads)
 
     # ------------------------------------------------------------- changing the partition
 
