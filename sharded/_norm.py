@@ -75,14 +75,19 @@ def clip_by_global_norm(
     norm_type: float,
     group: Optional[dist.ProcessGroup],
     error_if_nonfinite: bool = False,
+    clip: Optional[Sequence[torch.Tensor]] = None,
 ) -> torch.Tensor:
     """Scale ``grads`` (this rank's disjoint part of all gradients) in place so that the global
     ``norm_type``-norm over ``group`` is at most ``max_norm``.
+
+    ``clip``, when given, are the gradients to scale instead: the norm is taken over ``grads``
+    only (fairscale's ``filter_params_fn``, which leaves out copies other ranks count), but every
+    gradient is clipped by it, as torch's ``clip_grads_with_norm_`` does.
 
     Collective. Returns the global norm before clipping (a 0-dim fp32 tensor), as torch does.
     """
     norm_type = float(norm_type)
     term = norm_term(grads, norm_type, _comm.comm_device(group))
     total = total_norm([all_reduce_term(term, group, norm_type)], norm_type)
-    scale_by_norm_(grads, total, max_norm, norm_type, error_if_nonfinite)
+    scale_by_norm_(grads if clip is None else clip, total, max_norm, norm_type, error_if_nonfinite)
     return total

@@ -104,7 +104,7 @@ class OSS(Optimizer):
         self.broadcast_buffer_size = broadcast_buffer_size
         self.broadcast_fp16 = broadcast_fp16
         self.force_broadcast_object = force_broadcast_object
-        self._consolidated: Optional[dict[str, Any]] = None
+        self._consolidated: Optional[dict[int, Any]] = None  # global index -> state, on recipients
         self._warned_trainability_change = False
 
         super().__init__(as_param_groups(params, self.rank), defaults)
@@ -249,14 +249,17 @@ class OSS(Optimizer):
 
         Equals ``torch.nn.utils.clip_grad_norm_`` over the full model's gradients, but each rank
         only reads (and scales) the gradients of the parameters it owns. Collective.
-        ``filter_params_fn`` may narrow the rank's parameter list before the norm is taken;
-        ``error_if_nonfinite`` raises, before scaling, if the norm is inf or NaN (as torch's).
+        ``filter_params_fn`` narrows the rank's parameter list the norm is taken over (as in
+        fairscale, e.g. to count model-parallel copies once); every owned gradient is still
+        clipped by that norm. ``error_if_nonfinite`` raises, before scaling, if the norm is inf
+        or NaN (as torch's).
         """
         params = [self._partition.params[i] for i in self._partition.owned_indices(self.rank)]
-        if filter_params_fn is not None:
-            params = list(filter_params_fn(params))
         grads = [p.grad for p in params if p.grad is not None]
-        return clip_by_global_norm(grads, max_norm, norm_type, self.group, error_if_nonfinite)
+        if filter_params_fn is None:
+            return clip_by_global_norm(grads, max_norm, norm_type, self.group, error_if_nonfinite)
+        counted = [p.grad for p in filter_params_fn(params) if p.grad is not None]
+        return clip_by_global_norm(counted, max_norm, norm_type, self.group, error_if_nonfinite, clip=grads)
 
     # ------------------------------------------------------------- changing the partition
 
@@ -370,13 +373,14 @@ class OSS(Optimizer):
         merged = dict(mine)
         for shard in received.values():
             merged.update(shard)
-        self._push_hyperparams()
-        self._consolidated = consolidated_state_dict(merged, self.param_groups)
+        self._consolidated = merged
 
     def state_dict(self, all_ranks: bool = False) -> dict[str, Any]:
         """The full optimizer state in torch's format, as last consolidated on this rank.
 
-        With ``all_ranks=True`` it consolidates on every rank first (collective).
+        With ``all_ranks=True`` it consolidates on every rank first (collective). The param
+        groups are read now, as torch's and fairscale's are: hyperparameters a scheduler or the
+        user changed after the consolidation are saved as they are. Each call returns new dicts.
         """
         if all_ranks:
             self.consolidate_state_dict(recipient_rank=-1)
@@ -386,7 +390,8 @@ class OSS(Optimizer):
                 f"step; call consolidate_state_dict(recipient_rank={self.rank}) on all ranks "
                 "first, or state_dict(all_ranks=True)"
             )
-        return self._consolidated
+        states = {index: dict(state) for index, state in self._consolidated.items()}
+        return consolidated_state_dict(states, self.param_groups)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a full torch-format state dict (from OSS or a plain optimizer, any world size).
@@ -401,7 +406,17 @@ class OSS(Optimizer):
         self.optim.state.clear()
         owner = self._partition.owner_of()
         self._adopt({param: state for param, state in states.items() if owner[param] == self.rank})
+        self._upgrade_loaded_state()
         self._consolidated = None
+
+    def _upgrade_loaded_state(self) -> None:
+        """Let the wrapped optimizer upgrade the state just loaded, as the last step of torch's
+        own ``load_state_dict`` does: its ``__setstate__`` turns a state dict saved by older torch
+        into the current format (Adam's float ``step`` becomes the tensor its step requires) and
+        fills param-group keys missing from it. Only the objects already held are passed, so
+        nothing is replaced."""
+        self.optim.__setstate__({"state": self.optim.state, "param_groups": self.optim.param_groups})
+        self._pull_hyperparams()
 
     # ------------------------------------------------------------------------- internals
 

@@ -230,6 +230,39 @@ def test_clip_grad_norm_equals_torch_on_full_gradients(world_size):
     run_on_ranks(_check_clip_grad_norm, world_size)
 
 
+def _matrices(params):
+    return [p for p in params if p.dim() >= 2]
+
+
+def _check_clip_grad_norm_with_filter(rank, world):
+    """fairscale's ``filter_params_fn`` (Megatron's model-parallel dedup) narrows the parameters
+    the norm is taken over; every gradient is clipped by it, as torch's clip_grads_with_norm_."""
+    for norm_type in (2.0, math.inf):
+        ref, ours = gpt(), gpt()
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        our_opt = OSS(ours.parameters(), torch.optim.SGD, lr=0.1)
+        wrapped = {id(ref): DDP(ref), id(ours): DDP(ours)}
+        for step in range(3):
+            norms = []
+            for model, opt in ((ref, ref_opt), (ours, our_opt)):
+                opt.zero_grad()
+                gpt_loss(wrapped[id(model)], token_batch(rank, step)).backward()
+                if opt is ref_opt:
+                    total = torch.nn.utils.get_total_norm([p.grad for p in _matrices(model.parameters())], norm_type)
+                    torch.nn.utils.clip_grads_with_norm_(model.parameters(), 0.05, total)
+                    norms.append(total)
+                else:
+                    norms.append(opt.clip_grad_norm(0.05, norm_type, filter_params_fn=_matrices))
+                opt.step()
+            torch.testing.assert_close(norms[1], norms[0], rtol=1e-5, atol=1e-6)
+        _assert_close(ours, ref, f"clip_grad_norm with filter_params_fn, norm_type={norm_type}")
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_clip_grad_norm_filter_narrows_the_norm_and_clips_every_gradient(world_size):
+    run_on_ranks(_check_clip_grad_norm_with_filter, world_size)
+
+
 # --------------------------------------------------------------------------- freezing params
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -64,6 +66,65 @@ def _check_round_trips(rank, world):
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_state_dict_round_trips_with_plain_optimizers(world_size):
     run_on_ranks(_check_round_trips, world_size)
+
+
+def _check_state_dict_reads_current_hyperparameters(rank, world):
+    ref, ours = gpt(), gpt()
+    ref_opt = torch.optim.AdamW(ref.parameters(), **ADAM)
+    our_opt = OSS(ours.parameters(), torch.optim.AdamW, **ADAM)
+    schedulers = [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) for opt in (ref_opt, our_opt)]
+    _train(ref, ref_opt, rank, 2)
+    _train(ours, our_opt, rank, 2)
+
+    recipient = world - 1
+    our_opt.consolidate_state_dict(recipient_rank=recipient)
+    for opt, scheduler in zip((ref_opt, our_opt), schedulers):
+        scheduler.step()  # hyperparameters change between consolidating and saving
+        opt.param_groups[0]["weight_decay"] = 0.3
+    if rank == recipient:
+        saved = our_opt.state_dict()
+        _assert_state_dicts_equal(saved, ref_opt.state_dict())
+        saved["param_groups"][0]["lr"] = 123.0  # the caller's dict, as torch's state_dict() gives
+        _assert_state_dicts_equal(our_opt.state_dict(), ref_opt.state_dict())
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_state_dict_reads_hyperparameters_changed_after_consolidation(world_size):
+    run_on_ranks(_check_state_dict_reads_current_hyperparameters, world_size)
+
+
+def _as_saved_by_old_torch(state_dict):
+    """``state_dict`` as torch < 1.12 wrote it (fairscale-era checkpoints): a float ``step``, and
+    none of the param-group keys later versions added."""
+    old = copy.deepcopy(state_dict)
+    for state in old["state"].values():
+        state["step"] = float(state["step"])
+    for group in old["param_groups"]:
+        for key in ("foreach", "maximize", "capturable", "differentiable", "fused", "decoupled_weight_decay"):
+            group.pop(key, None)
+    return old
+
+
+def _check_old_format_state_dict_loads(rank, world):
+    for optimizer_class, kwargs in ((torch.optim.AdamW, ADAM), (torch.optim.Adam, dict(lr=1e-2, amsgrad=True))):
+        ref, ours = gpt(), gpt()
+        ref_opt = optimizer_class(ref.parameters(), **kwargs)
+        _train(ref, ref_opt, rank, 2)
+        ours.load_state_dict(ref.state_dict())
+        old = _as_saved_by_old_torch(ref_opt.state_dict())
+        ref_opt = optimizer_class(ref.parameters(), **kwargs)
+        ref_opt.load_state_dict(copy.deepcopy(old))  # torch upgrades the old format as it loads
+        our_opt = OSS(ours.parameters(), optimizer_class, **kwargs)
+        our_opt.load_state_dict(old)
+        _train(ref, ref_opt, rank, 2, first_step=2)
+        _train(ours, our_opt, rank, 2, first_step=2)
+        _assert_close(ours, ref, f"{optimizer_class.__name__} resumed from an old-format state dict")
+        _assert_state_dicts_equal(our_opt.state_dict(all_ranks=True), ref_opt.state_dict())
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_state_dict_saved_by_old_torch_loads_as_into_a_plain_optimizer(world_size):
+    run_on_ranks(_check_old_format_state_dict_loads, world_size)
 
 
 def _save_checkpoint(rank, world, path):
