@@ -42,7 +42,7 @@ import functools
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import NoReturn, Optional, Sequence, cast
+from typing import Iterable, NoReturn, Optional, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -154,6 +154,7 @@ class GradRouter:
         self._end_queued = False
         self._backward_started_at = 0.0
         self._unreducible: set[int] = set()  # parameters whose hook saw a sparse or graph-carrying gradient
+        self._consumed: set[int] = set()  # parameters whose reduced gradients a step has taken
         # On one rank every gradient is already complete where autograd put it.
         self._hooks = [
             p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, index))
@@ -179,10 +180,20 @@ class GradRouter:
 
     # ----------------------------------------------------------------------- phase changes
 
-    def mark_grads_consumed(self) -> None:
-        """The optimizer stepped or the gradients were zeroed: the next backward starts afresh."""
-        if self.phase is Phase.REDUCED:
-            self.phase = Phase.IDLE
+    def mark_grads_consumed(self, params: Optional[Iterable[torch.Tensor]] = None) -> None:
+        """An optimizer stepped on ``params`` (``None``: every gradient was zeroed or consumed).
+
+        The next backward starts afresh once every reduced gradient was consumed. With several
+        optimizers one step consumes only its own: a backward before the others step (or are
+        zeroed) would add to their owners' reduced sums what non-owners no longer hold.
+        """
+        if self.phase is not Phase.REDUCED:
+            return
+        if params is not None:
+            self._consumed.update(self._index_of[p] for p in params if p in self._index_of)
+            if len(self._consumed) < len(self.params):
+                return
+        self.phase = Phase.IDLE
 
     def before_forward(self) -> None:
         """Check the gradients held from earlier passes, and start clean after a failed backward.
@@ -345,9 +356,10 @@ class GradRouter:
         if not self._grads_cleared_on_every_rank(current):
             raise RuntimeError(
                 f"rank {self.rank}: backward ran again after the gradients were reduced and "
-                "before optimizer.step() or zero_grad(); non-owner ranks have already released "
-                "theirs, so they cannot be accumulated. Accumulate inside no_sync(), or step and "
-                "zero the gradients between backward passes."
+                "before optimizer.step() (every optimizer's, with several) or zero_grad(); "
+                "non-owner ranks have already released theirs, so they cannot be accumulated. "
+                "Accumulate inside no_sync(), or step and zero the gradients between backward "
+                "passes."
             )
         self.phase = Phase.IDLE
 
@@ -439,6 +451,7 @@ class GradRouter:
             while bw.in_flight:
                 self._finish(*bw.in_flight.popleft(), fixed=fixed)
         self.phase = Phase.REDUCED
+        self._consumed.clear()
         if after_backward:
             self._learn_from(bw, agreed=not fixed)
 
@@ -531,7 +544,8 @@ class GradRouter:
         return [self.params[i] for i in agreed.tolist()]
 
     def _grads_cleared_on_every_rank(self, except_param: Optional[torch.Tensor]) -> bool:
-        """Whether zero_grad() ran since the last reduce: every owner's gradients are gone or zero.
+        """Whether zero_grad() ran since the last reduce: every owner's gradients that no step
+        consumed are gone or zero.
 
         Only reached when a backward starts without a step since the last one (e.g. GradScaler
         skipped it), so the one small collective that makes all ranks decide alike is cheap.
@@ -541,7 +555,7 @@ class GradRouter:
             for bucket in self.buckets
             if bucket.owner == self.rank
             for p in bucket.params
-            if p is not except_param
+            if p is not except_param and self._index_of[p] not in self._consumed
         )
         flag = torch.tensor([float(cleared)], device=_comm.comm_device(self.group))
         _comm.all_reduce(flag, self.group, dist.ReduceOp.MIN)

@@ -357,7 +357,7 @@ class ShardedDataParallel(nn.Module):
             self._warned_trainability_change = True
 
     def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._router.mark_grads_consumed()
+        self._router.mark_grads_consumed(optimizer.partition.params)
 
     def _start_broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> PendingBroadcasts:
         return start_broadcasts(plan_broadcasts([tensors], self.reduce_buffer_size), self.process_group)

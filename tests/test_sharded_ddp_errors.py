@@ -77,6 +77,42 @@ def test_backward_twice_without_step_raises_instead_of_corrupting(world_size):
     run_on_ranks(_check_second_backward, world_size)
 
 
+def _check_second_backward_with_two_optimizers(rank, world):
+    """One optimizer's step consumes only its own parameters' gradients: a backward after it, while
+    the other optimizer still holds reduced gradients, raises (fairscale's two-closure loop: its
+    second optimizer stepped on sums that had lost the other ranks' share); the alternating loop,
+    which zeroes the other optimizer's gradients first, still matches DDP."""
+    def split(model):
+        params = list(model.parameters())
+        return params[: len(params) // 2], params[len(params) // 2 :]
+
+    model = gpt()
+    first, second = (OSS(ps, torch.optim.SGD, lr=0.1) for ps in split(model))
+    sdp = ShardedDataParallel(model, [first, second])
+    closure = lambda: gpt_loss(sdp, token_batch(rank, 0)).backward()
+    first.step(closure=closure)
+    with pytest.raises(RuntimeError, match=rf"rank {rank}: backward ran again after the gradients were reduced"):
+        second.step(closure=closure)
+
+    ref_model, our_model = gpt(), gpt()
+    ref_opts = [torch.optim.SGD(ps, lr=0.05, momentum=0.9) for ps in split(ref_model)]
+    our_opts = [OSS(ps, torch.optim.SGD, lr=0.05, momentum=0.9) for ps in split(our_model)]
+    ref, ours = DDP(ref_model), ShardedDataParallel(our_model, our_opts)
+    for step in range(3):
+        for model, opts in ((ref, ref_opts), (ours, our_opts)):
+            for i, opt in enumerate(opts):  # each optimizer on its own loss, in turn
+                opt.zero_grad()
+                gpt_loss(model, token_batch(rank, 2 * step + i)).backward()
+                opt.step()
+    for (name, a), b in zip(our_model.named_parameters(), ref_model.parameters()):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5), f"alternating optimizers: {name} differs from DDP"
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_backward_after_one_of_two_optimizers_stepped_raises_unless_the_other_was_zeroed(world_size):
+    run_on_ranks(_check_second_backward_with_two_optimizers, world_size)
+
+
 class _FunctionalSparse(nn.Module):
     """Sparse gradients without a sparse module: only the backward can see them."""
 
