@@ -155,6 +155,18 @@ class GradRouter:
         self._backward_started_at = 0.0
         self._unreducible: set[int] = set()  # parameters whose hook saw a sparse or graph-carrying gradient
         self._consumed: set[int] = set()  # parameters whose reduced gradients a step has taken
+        # A backward after a step that nobody zeroed the gradients behind adds to what the step
+        # left on each owner, where DDP adds to every rank's copy: the owner's sum then lacks the
+        # other ranks' share. Harmless unless a step applies it (a GAN's generator backward
+        # reaches the discriminator's gradients, zeroed before its next step). Tracked here: the
+        # owned gradients a step left in place (tensor, version then); the optimizers stepped
+        # and not zeroed since (the same on every rank); the held gradients a backward added to
+        # (this rank's); and, agreed by all ranks, the parameters whose gradient is so spoiled
+        # (on the owner: the tensor handed out, until it is released or zeroed).
+        self._held_after_step: dict[int, tuple[torch.Tensor, int]] = {}
+        self._unzeroed_steps: set[int] = set()
+        self._added_to_held: set[int] = set()
+        self._spoiled: dict[int, Optional[torch.Tensor]] = {}
         # On one rank every gradient is already complete where autograd put it.
         self._hooks = [
             p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, index))
@@ -195,6 +207,67 @@ class GradRouter:
                 return
         self.phase = Phase.IDLE
 
+    def after_step(self, optimizer_key: int, params: Sequence[torch.Tensor]) -> None:
+        """An optimizer stepped on ``params``: their reduced gradients are consumed, and those
+        this rank owns stay in place until zeroed. A backward before that would add to them what
+        DDP adds to every rank's copy, but non-owners released theirs: remember them to tell."""
+        self.mark_grads_consumed(params)
+        if self.world_size == 1:
+            return  # every rank holds every gradient: autograd's sum is DDP's
+        self._unzeroed_steps.add(optimizer_key)
+        for p in params:
+            index = self._index_of.get(p)
+            if index is not None and p.grad is not None and self._owner_of[p] == self.rank:
+                self._held_after_step[index] = (p.grad, p.grad._version)
+
+    def after_zero_grad(self, optimizer_key: Optional[int] = None, params: Optional[Sequence[torch.Tensor]] = None
+                        ) -> None:
+        """``params``' gradients (``None``: every one, the wrapper's ``zero_grad``) were zeroed."""
+        self.mark_grads_consumed(params)
+        if params is None:
+            self._unzeroed_steps.clear()
+            self._held_after_step.clear()
+            self._spoiled.clear()
+            return
+        self._unzeroed_steps.discard(cast(int, optimizer_key))
+        if not (self._held_after_step or self._spoiled):
+            return
+        for p in params:
+            index = self._index_of.get(p, -1)
+            self._held_after_step.pop(index, None)
+            self._spoiled.pop(index, None)
+
+    def before_step(self, params: Sequence[torch.Tensor]) -> None:
+        """Collective when some of ``params`` had a spoiled gradient: raise on every rank if one
+        still holds it (not released or zeroed since), before the step applies it."""
+        if not self._spoiled:
+            return
+        indices = [i for i in (self._index_of.get(p, -1) for p in params) if i in self._spoiled]
+        if not indices:
+            return
+        held = [i for i in indices if self._still_spoiled(i)]
+        flag = torch.tensor([max(held, default=-1)], dtype=torch.int64, device=_comm.comm_device(self.group))
+        _comm.all_reduce(flag, self.group, dist.ReduceOp.MAX)
+        for i in indices:
+            del self._spoiled[i]
+        index = int(flag.item())
+        if index >= 0:
+            param = self.params[index]
+            raise RuntimeError(
+                f"rank {self.rank}: optimizer.step() would apply the gradient of parameter "
+                f"{self._name(param)}, to which a backward added after the previous step had left it "
+                f"in place on its owner, rank {self._owner_of[param]}, with no zero_grad() in between. "
+                "DDP adds the new average to the old one on every rank, but the other ranks had "
+                "released theirs, so this sum lacks their share. Call optimizer.zero_grad() (or "
+                "model.zero_grad()) after each step; accumulate over several backward passes inside "
+                "no_sync()."
+            )
+
+    def _still_spoiled(self, index: int) -> bool:
+        handed = self._spoiled[index]
+        grad = self.params[index].grad
+        return handed is not None and grad is handed and bool(grad.any())
+
     def before_forward(self) -> None:
         """Check the gradients held from earlier passes, and start clean after a failed backward.
 
@@ -230,6 +303,8 @@ class GradRouter:
 
     def _on_grad_ready(self, index: int, param: torch.Tensor) -> None:
         grad = cast(torch.Tensor, param.grad)  # a post-accumulate-grad hook: it is set
+        if self._held_after_step:
+            self._note_addition_to_held(index, grad)
         if grad.is_sparse or grad.requires_grad:
             self._unreducible.add(index)  # the next forward (or reduce) raises while it is held
             if self.sync_enabled:
@@ -261,6 +336,34 @@ class GradRouter:
             bw.partial.discard(index)
             bw.waiting[b] -= 1
             self._launch_ready_buckets()
+
+    def _note_addition_to_held(self, index: int, grad: torch.Tensor) -> None:
+        """Whether autograd just added to the gradient a step left in place: the same tensor,
+        changed once since (a zeroing in place would be a second change; a release, a new one)."""
+        held = self._held_after_step.pop(index, None)
+        if held is not None and grad is held[0] and grad._version == held[1] + 1:
+            self._added_to_held.add(index)
+
+    def _agree_on_spoiled(self) -> list[int]:
+        """Collective, once per step that nobody zeroed the gradients after: every rank learns
+        which gradients some owner's backward added to after the step left them in place."""
+        flags = torch.zeros(len(self.params), dtype=torch.int32)
+        flags[sorted(self._added_to_held)] = 1
+        flags = flags.to(_comm.comm_device(self.group))
+        _comm.all_reduce(flags, self.group, dist.ReduceOp.MAX)
+        spoiled = flags.nonzero().flatten().tolist()
+        self._spoiled.update((i, None) for i in spoiled)
+        self._unzeroed_steps.clear()
+        self._held_after_step.clear()
+        self._added_to_held.clear()
+        return spoiled
+
+    def _remember_hand_outs(self, spoiled: Sequence[int]) -> None:
+        """On the owners: the reduced gradient just handed out for each newly spoiled parameter."""
+        for index in spoiled:
+            param = self.params[index]
+            if self._owner_of[param] == self.rank:
+                self._spoiled[index] = param.grad
 
     def _launch_ready_buckets(self) -> None:
         bw = self._pass
@@ -433,6 +536,7 @@ class GradRouter:
         Once ``static_graph`` has fixed the graph, a backward checks its arrival counts instead
         (before the flush launches anything, so ranks that all see the change all raise alike)
         and hands out the learned set of used gradients."""
+        spoiled = self._agree_on_spoiled() if self._unzeroed_steps else []
         bw = self._pass
         bw.flushed_at = time.perf_counter()
         fixed = after_backward and self._graph_fixed
@@ -450,6 +554,8 @@ class GradRouter:
                 self._reduce_late_gradients()
             while bw.in_flight:
                 self._finish(*bw.in_flight.popleft(), fixed=fixed)
+        if spoiled:
+            self._remember_hand_outs(spoiled)
         self.phase = Phase.REDUCED
         self._consumed.clear()
         if after_backward:

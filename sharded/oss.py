@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 
 from . import _comm
 from ._broadcast import PendingBroadcasts, make_resident, plan_broadcasts, release_residents, start_broadcasts
@@ -106,6 +107,7 @@ class OSS(Optimizer):
         self.force_broadcast_object = force_broadcast_object
         self._consolidated: Optional[dict[int, Any]] = None  # global index -> state, on recipients
         self._warned_trainability_change = False
+        self._zero_grad_post_hooks: OrderedDict[int, Callable[[OSS], None]] = OrderedDict()  # weak-referable, for RemovableHandle
 
         super().__init__(as_param_groups(params, self.rank), defaults)
         self._check_same_params_on_all_ranks()
@@ -119,6 +121,19 @@ class OSS(Optimizer):
         self._inner_step_takes_closure = "closure" in inspect.signature(self.optim.step).parameters
         self._install(partition)
         self._pull_hyperparams()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero (or release) every parameter's gradient, as torch's; then tell the hooks (a
+        ``ShardedDataParallel`` learns that the gradients a step left in place are gone)."""
+        super().zero_grad(set_to_none=set_to_none)
+        for hook in list(self._zero_grad_post_hooks.values()):
+            hook(self)
+
+    def register_zero_grad_post_hook(self, hook: Callable[[OSS], None]) -> RemovableHandle:
+        """Call ``hook(optimizer)`` after each :meth:`zero_grad`. Returns a handle to remove it."""
+        handle = RemovableHandle(self._zero_grad_post_hooks)
+        self._zero_grad_post_hooks[handle.id] = hook
+        return handle
 
     # ------------------------------------------------------------------ partition views
 

@@ -115,7 +115,9 @@ class ShardedDataParallel(nn.Module):
         if sync_models_at_startup:
             self._start_broadcast_from_rank0(list(module.parameters()) + list(module.buffers())).wait()
         for optimizer in self.sharded_optimizers:
+            optimizer.register_step_pre_hook(self._before_optimizer_step)
             optimizer.register_step_post_hook(self._on_optimizer_step)
+            optimizer.register_zero_grad_post_hook(self._on_optimizer_zero_grad)
         self._router = self._build_router()
         self._trainability = self._current_trainability()
         self._param_waits = ParamWaits(module, self.sharded_optimizers) if overlap_param_broadcast else None
@@ -253,7 +255,7 @@ class ShardedDataParallel(nn.Module):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero (or release) the gradients of the wrapped module's parameters."""
         self.module.zero_grad(set_to_none=set_to_none)
-        self._router.mark_grads_consumed()
+        self._router.after_zero_grad()
 
     def refresh_trainable(self) -> None:
         """Re-partition and rebuild buckets and hooks after ``requires_grad`` changed. Collective.
@@ -356,8 +358,14 @@ class ShardedDataParallel(nn.Module):
             )
             self._warned_trainability_change = True
 
+    def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._router.before_step(optimizer.partition.params)
+
     def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._router.mark_grads_consumed(optimizer.partition.params)
+        self._router.after_step(id(optimizer), optimizer.partition.params)
+
+    def _on_optimizer_zero_grad(self, optimizer: OSS) -> None:
+        self._router.after_zero_grad(id(optimizer), optimizer.partition.params)
 
     def _start_broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> PendingBroadcasts:
         return start_broadcasts(plan_broadcasts([tensors], self.reduce_buffer_size), self.process_group)

@@ -113,6 +113,85 @@ def test_backward_after_one_of_two_optimizers_stepped_raises_unless_the_other_wa
     run_on_ranks(_check_second_backward_with_two_optimizers, world_size)
 
 
+def _zeroing_styles(model, sdp, optimizer):
+    """Ways a training loop clears the gradients after a step, each of which DDP code uses."""
+    def by_hand():
+        for p in model.parameters():
+            p.grad = None
+
+    return {
+        "optimizer.zero_grad()": optimizer.zero_grad,
+        "wrapper.zero_grad()": sdp.zero_grad,
+        "module.zero_grad(set_to_none=False)": lambda: model.zero_grad(set_to_none=False),
+        "p.grad = None": by_hand,
+    }
+
+
+def _check_step_without_zero_grad(rank, world):
+    """A backward after a step that nobody zeroed the gradients behind: DDP adds the new average
+    to the old one, which only the owner still holds here. At world 1 (no reduction) it is DDP's
+    sum; on more ranks the next step raises on every rank, naming the parameter, instead of
+    stepping on old / world + new, unless the spoiled gradients were released first (a GAN's
+    generator backward reaches the discriminator's). Each way of zeroing, at any point before
+    the backward, equals DDP."""
+    def same_as(ref_model, model, what):
+        for (name, a), b in zip(model.named_parameters(), ref_model.parameters()):
+            assert torch.allclose(a, b, atol=1e-6, rtol=1e-5), f"{what}: {name} differs from DDP"
+
+    def release(model):
+        for p in model.parameters():
+            p.grad = None
+
+    for static_graph in (False, True):
+        model, ref_model = gpt(), gpt()
+        optimizer = OSS(model.parameters(), torch.optim.SGD, lr=0.1)
+        sdp = ShardedDataParallel(model, optimizer, static_graph=static_graph)
+        ref, ref_opt = DDP(ref_model), torch.optim.SGD(ref_model.parameters(), lr=0.1)
+        for wrapped, opt in ((ref, ref_opt), (sdp, optimizer)):
+            gpt_loss(wrapped, token_batch(rank, 0)).backward()
+            opt.step()
+            with wrapped.no_sync():  # the kept gradient is added to inside no_sync too
+                gpt_loss(wrapped, token_batch(rank, 1)).backward()
+            gpt_loss(wrapped, token_batch(rank, 2)).backward()
+            if world > 1 and wrapped is sdp:
+                with pytest.raises(RuntimeError, match=rf"rank {rank}: optimizer.step\(\) would apply the gradient "
+                                   r"of parameter \S+, to which a backward added after the previous step"):
+                    opt.step()
+                release(model)
+            else:
+                opt.step()
+                release(wrapped.module)
+            gpt_loss(wrapped, token_batch(rank, 3)).backward()  # released: this step is clean
+            opt.step()
+        if world == 1:
+            same_as(ref_model, model, f"world 1 without zero_grad (static_graph={static_graph})")
+
+    ref_model, our_model = gpt(), gpt()
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.05, momentum=0.9)
+    optimizer = OSS(our_model.parameters(), torch.optim.SGD, lr=0.05, momentum=0.9)
+    ref, sdp = DDP(ref_model), ShardedDataParallel(our_model, optimizer)
+    for wrapped, model, opt in ((ref, ref_model, ref_opt), (sdp, our_model, optimizer)):
+        gpt_loss(wrapped, token_batch(rank, 10)).backward()
+        opt.step()
+        gpt_loss(wrapped, token_batch(rank, 11)).backward()  # spoils the kept gradients
+        release(model)  # by hand: the wrapper is not told
+        gpt_loss(wrapped, token_batch(rank, 12)).backward()
+        opt.step()
+    same_as(ref_model, our_model, "a spoiled gradient released by hand")
+    for step, (style, zero) in enumerate(_zeroing_styles(our_model, sdp, optimizer).items()):
+        for model, opt, zero_it in ((ref, ref_opt, ref_opt.zero_grad), (sdp, optimizer, zero)):
+            loss = gpt_loss(model, token_batch(rank, step))
+            zero_it()  # between forward and backward, as some loops do
+            loss.backward()
+            opt.step()
+        same_as(ref_model, our_model, f"zeroing by {style}")
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_a_step_on_gradients_added_to_after_an_unzeroed_step_raises_where_ddp_would_accumulate(world_size):
+    run_on_ranks(_check_step_without_zero_grad, world_size)
+
+
 class _FunctionalSparse(nn.Module):
     """Sparse gradients without a sparse module: only the backward can see them."""
 
