@@ -45,8 +45,9 @@ class ShardedDataParallel(nn.Module):
         sharded_optimizer: the ``OSS`` optimizer (or a list of them over disjoint parameters)
             covering every trainable parameter of ``module``.
         process_group: the group to reduce over; must be the optimizers' group.
-        broadcast_buffers: broadcast buffers (e.g. BatchNorm statistics) from rank 0 before each
-            forward, except inside :meth:`no_sync`.
+        broadcast_buffers: broadcast buffers (e.g. BatchNorm statistics) from rank 0 before a
+            forward whose previous forward was a synced training one, as DDP does (the first
+            micro-step of a :meth:`no_sync` window; the first forward of a ``no_grad`` loop).
         sync_models_at_startup: broadcast parameters and buffers from rank 0 once, now.
         reduce_buffer_size: most elements per gradient bucket; ``0`` reduces each alone.
         auto_refresh_trainable: notice ``requires_grad`` changes at the next forward and
@@ -105,6 +106,7 @@ class ShardedDataParallel(nn.Module):
         self._split_bytes = split_bytes_for(reduce_buffer_size, list(module.parameters()))
         # DDP's switch: False makes the next forward's backward accumulate locally (no_sync).
         self.require_backward_grad_sync = True
+        self._sync_buffers_at_next_forward = True  # DDP's require_forward_param_sync
 
         _check_no_sparse_gradients(module, self.rank)
         check_same_across_ranks(
@@ -136,7 +138,7 @@ class ShardedDataParallel(nn.Module):
         if self.auto_refresh_trainable and self._trainability_changed():
             self._warn_trainability_changed_once()
             self.refresh_trainable()
-        if self.broadcast_buffers and self.require_backward_grad_sync:
+        if self.broadcast_buffers and self._sync_buffers_at_next_forward:
             self.sync_buffers(blocking=True)
         self._router.before_forward()
         if self._param_waits is not None:
@@ -146,7 +148,8 @@ class ShardedDataParallel(nn.Module):
         self._router.sync_enabled = self.require_backward_grad_sync
         with split_compiled_graphs(self._split_bytes):
             outputs = self.module(*inputs, **kwargs)
-        if self.require_backward_grad_sync and torch.is_grad_enabled():
+        self._sync_buffers_at_next_forward = self.require_backward_grad_sync and torch.is_grad_enabled()
+        if self._sync_buffers_at_next_forward:
             self._mark_backward_start_on(outputs)
         return outputs
 

@@ -273,6 +273,23 @@ def _check_buffers_and_unused(rank, world):
         torch.testing.assert_close(buffer, dict(ref.module.named_buffers())[name], rtol=1e-5, atol=1e-6)
     assert ours.module.unused.weight.grad is None, "a globally unused parameter got a gradient"
     assert torch.equal(ours.module.unused.weight, _bn_net().unused.weight)
+    # DDP broadcasts buffers before a forward when the forward before it was a synced training
+    # one: the first micro-step of an accumulation window, and the first forward of an eval
+    # loop, but not the next ones
+    for step in range(2):
+        for model, opt in ((ref, ref_opt), (ours, our_opt)):
+            opt.zero_grad()
+            for micro in range(3):
+                with model.no_sync() if micro < 2 else contextlib.nullcontext():
+                    loss = model(token_batch(rank, 10 * step + micro)).logsumexp(-1).mean()
+                loss.backward()
+            opt.step()
+            with torch.no_grad():
+                for batch in range(2):
+                    model(token_batch(rank, 20 + batch))
+    for name, buffer in ours.module.named_buffers():
+        torch.testing.assert_close(buffer, dict(ref.module.named_buffers())[name], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"rank {rank}: buffer {name} after no_sync and eval: {m}")
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
