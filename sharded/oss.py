@@ -107,7 +107,9 @@ class OSS(Optimizer):
         self.force_broadcast_object = force_broadcast_object
         self._consolidated: Optional[dict[int, Any]] = None  # global index -> state, on recipients
         self._warned_trainability_change = False
-        self._zero_grad_post_hooks: OrderedDict[int, Callable[[OSS], None]] = OrderedDict()  # weak-referable, for RemovableHandle
+        # OrderedDicts: weak-referable, as RemovableHandle needs
+        self._zero_grad_post_hooks: OrderedDict[int, Callable[[OSS], None]] = OrderedDict()
+        self._before_update_hooks: OrderedDict[int, Callable[[OSS], None]] = OrderedDict()
 
         super().__init__(as_param_groups(params, self.rank), defaults)
         self._check_same_params_on_all_ranks()
@@ -133,6 +135,14 @@ class OSS(Optimizer):
         """Call ``hook(optimizer)`` after each :meth:`zero_grad`. Returns a handle to remove it."""
         handle = RemovableHandle(self._zero_grad_post_hooks)
         self._zero_grad_post_hooks[handle.id] = hook
+        return handle
+
+    def register_before_update_hook(self, hook: Callable[[OSS], None]) -> RemovableHandle:
+        """Call ``hook(optimizer)`` in each :meth:`step` once the gradients are final (after the
+        closure, if one is given) and before any parameter is updated: unlike torch's step
+        pre-hooks, it sees what the closure's backward did. Returns a handle to remove it."""
+        handle = RemovableHandle(self._before_update_hooks)
+        self._before_update_hooks[handle.id] = hook
         return handle
 
     # ------------------------------------------------------------------ partition views
@@ -244,14 +254,33 @@ class OSS(Optimizer):
         return plan_broadcasts(by_owner, self.broadcast_buffer_size)
 
     def _step_local_shard(self, closure: Optional[Callable[[], Any]], *args: Any, **kwargs: Any) -> Any:
+        if closure is None:
+            self._run_before_update_hooks()
         if self._inner_step_takes_closure:
-            return self.optim.step(closure, *args, **kwargs)
+            return self.optim.step(self._then_before_update_hooks(closure), *args, **kwargs)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+            self._run_before_update_hooks()
         self.optim.step(*args, **kwargs)
         return loss
+
+    def _then_before_update_hooks(self, closure: Optional[Callable[[], Any]]) -> Optional[Callable[[], Any]]:
+        """``closure``, followed by the before-update hooks (the wrapped optimizer calls it)."""
+        if closure is None or not self._before_update_hooks:
+            return closure
+
+        def closure_then_hooks() -> Any:
+            loss = closure()
+            self._run_before_update_hooks()
+            return loss
+
+        return closure_then_hooks
+
+    def _run_before_update_hooks(self) -> None:
+        for hook in list(self._before_update_hooks.values()):
+            hook(self)
 
     def clip_grad_norm(
         self,

@@ -117,7 +117,7 @@ class ShardedDataParallel(nn.Module):
         if sync_models_at_startup:
             self._start_broadcast_from_rank0(list(module.parameters()) + list(module.buffers())).wait()
         for optimizer in self.sharded_optimizers:
-            optimizer.register_step_pre_hook(self._before_optimizer_step)
+            optimizer.register_before_update_hook(self._before_optimizer_update)
             optimizer.register_step_post_hook(self._on_optimizer_step)
             optimizer.register_zero_grad_post_hook(self._on_optimizer_zero_grad)
         self._router = self._build_router()
@@ -361,7 +361,7 @@ class ShardedDataParallel(nn.Module):
             )
             self._warned_trainability_change = True
 
-    def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _before_optimizer_update(self, optimizer: OSS) -> None:
         self._router.before_step(optimizer.partition.params)
 
     def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:

@@ -166,6 +166,15 @@ def _check_step_without_zero_grad(rank, world):
         if world == 1:
             same_as(ref_model, model, f"world 1 without zero_grad (static_graph={static_graph})")
 
+    if world > 1:  # the same backward inside a closure, which step() runs
+        model = gpt()
+        optimizer = OSS(model.parameters(), torch.optim.SGD, lr=0.1)
+        sdp = ShardedDataParallel(model, optimizer)
+        closure = lambda: gpt_loss(sdp, token_batch(rank, 4)).backward()  # noqa: E731
+        optimizer.step(closure)
+        with pytest.raises(RuntimeError, match=rf"rank {rank}: optimizer.step\(\) would apply the gradient"):
+            optimizer.step(closure)
+
     ref_model, our_model = gpt(), gpt()
     ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.05, momentum=0.9)
     optimizer = OSS(our_model.parameters(), torch.optim.SGD, lr=0.05, momentum=0.9)
