@@ -95,10 +95,31 @@ def _check_unzeroed_step_across_refresh(rank: int, world: int) -> None:
         opt.step()
 
 
+def _check_one_optimizer_left_unzeroed(rank: int, world: int) -> None:
+    """Two optimizers, only the first zeroed (set_to_none=False) between steps: DDP accumulates
+    the second one's gradients across steps, which cannot be matched here, so its step raises.
+    Zeroing the first in place must not hide the addition to the second's gradients, which share
+    the owner's flat bucket (and its version counter)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    opt_a = OSS(model[0].parameters(), torch.optim.SGD, lr=0.1)
+    opt_b = OSS(model[2].parameters(), torch.optim.SGD, lr=0.1)
+    sdp = ShardedDataParallel(model, [opt_a, opt_b])
+    sdp(torch.randn(6, 4)).pow(2).mean().backward()
+    opt_a.step()
+    opt_b.step()
+    opt_a.zero_grad(set_to_none=False)
+    sdp(torch.randn(6, 4)).pow(2).mean().backward()
+    opt_a.step()
+    with pytest.raises(RuntimeError, match="a backward added after the previous step"):
+        opt_b.step()
+
+
 def _check_all(rank: int, world: int) -> None:
     _check_wgan_with_several_critic_steps(rank, world)
     _check_zeroing_through_data(rank, world)
     _check_unzeroed_step_across_refresh(rank, world)
+    _check_one_optimizer_left_unzeroed(rank, world)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
