@@ -163,16 +163,31 @@ class GradRouter:
         # and not zeroed since (the same on every rank); the held gradients a backward added to
         # (this rank's); and, agreed by all ranks, the parameters whose gradient is so spoiled
         # (on the owner: the tensor handed out, until it is released or zeroed).
-        self._held_after_step: dict[int, tuple[torch.Tensor, int]] = {}
+        self._held_after_step: dict[int, torch.Tensor] = {}
         self._unzeroed_steps: set[int] = set()
-        self._added_to_held: set[int] = set()
+        self._added_to_held: dict[int, torch.Tensor] = {}  # index -> 0-dim flag: held was non-zero
         self._spoiled: dict[int, Optional[torch.Tensor]] = {}
         # On one rank every gradient is already complete where autograd put it.
         self._hooks = [
             p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, index))
             for index, p in enumerate(self.params)
             if self.world_size > 1
+        ] + [
+            p.register_hook(functools.partial(self._before_accumulate, index))
+            for index, p in enumerate(self.params)
+            if self.world_size > 1
         ]
+
+    def carry_tracking_from(self, old: GradRouter) -> None:
+        """Take over what ``old`` (the router this one replaces) knew of gradients a step left
+        in place, so a rebuild (``refresh_trainable``) does not forget them. Same on every rank."""
+        def remap(entries: dict) -> dict:
+            return {self._index_of[old.params[i]]: v for i, v in entries.items() if old.params[i] in self._index_of}
+
+        self._unzeroed_steps = set(old._unzeroed_steps)
+        self._held_after_step = remap(old._held_after_step)
+        self._added_to_held = remap(old._added_to_held)
+        self._spoiled = remap(old._spoiled)
 
     def remove_hooks(self) -> None:
         """Detach from the parameters (before a new router replaces this one)."""
@@ -218,7 +233,7 @@ class GradRouter:
         for p in params:
             index = self._index_of.get(p)
             if index is not None and p.grad is not None and self._owner_of[p] == self.rank:
-                self._held_after_step[index] = (p.grad, p.grad._version)
+                self._held_after_step[index] = p.grad
 
     def after_zero_grad(self, optimizer_key: Optional[int] = None, params: Optional[Sequence[torch.Tensor]] = None
                         ) -> None:
@@ -303,8 +318,6 @@ class GradRouter:
 
     def _on_grad_ready(self, index: int, param: torch.Tensor) -> None:
         grad = cast(torch.Tensor, param.grad)  # a post-accumulate-grad hook: it is set
-        if self._held_after_step:
-            self._note_addition_to_held(index, grad)
         if grad.is_sparse or grad.requires_grad:
             self._unreducible.add(index)  # the next forward (or reduce) raises while it is held
             if self.sync_enabled:
@@ -337,19 +350,24 @@ class GradRouter:
             bw.waiting[b] -= 1
             self._launch_ready_buckets()
 
-    def _note_addition_to_held(self, index: int, grad: torch.Tensor) -> None:
-        """Whether autograd just added to the gradient a step left in place: the same tensor,
-        changed once since (a zeroing in place would be a second change; a release, a new one)."""
+    def _before_accumulate(self, index: int, incoming: torch.Tensor) -> None:
+        """Before autograd adds to a parameter's gradient: whether it adds to the one a step left
+        in place, still non-zero (a release gives a new tensor; a zeroing, by any route, zeros).
+        Values, not version counters: the handed-out gradients share their bucket's counter,
+        and ``.data`` changes none. The flag stays on the device until the flush."""
+        if not self._held_after_step:
+            return
         held = self._held_after_step.pop(index, None)
-        if held is not None and grad is held[0] and grad._version == held[1] + 1:
-            self._added_to_held.add(index)
+        param = self.params[index]
+        if held is not None and param.grad is held:
+            self._added_to_held[index] = held.ne(0).any()
 
     def _agree_on_spoiled(self) -> list[int]:
         """Collective, once per step that nobody zeroed the gradients after: every rank learns
         which gradients some owner's backward added to after the step left them in place."""
-        flags = torch.zeros(len(self.params), dtype=torch.int32)
-        flags[sorted(self._added_to_held)] = 1
-        flags = flags.to(_comm.comm_device(self.group))
+        flags = torch.zeros(len(self.params), dtype=torch.int32, device=_comm.comm_device(self.group))
+        for index, nonzero in self._added_to_held.items():
+            flags[index] = nonzero.to(flags.device, torch.int32)
         _comm.all_reduce(flags, self.group, dist.ReduceOp.MAX)
         spoiled = flags.nonzero().flatten().tolist()
         self._spoiled.update((i, None) for i in spoiled)

@@ -116,10 +116,15 @@ class ShardedDataParallel(nn.Module):
         )
         if sync_models_at_startup:
             self._start_broadcast_from_rank0(list(module.parameters()) + list(module.buffers())).wait()
-        for optimizer in self.sharded_optimizers:
-            optimizer.register_before_update_hook(self._before_optimizer_update)
-            optimizer.register_step_post_hook(self._on_optimizer_step)
-            optimizer.register_zero_grad_post_hook(self._on_optimizer_zero_grad)
+        self._optimizer_hooks = [
+            handle
+            for optimizer in self.sharded_optimizers
+            for handle in (
+                optimizer.register_before_update_hook(self._before_optimizer_update),
+                optimizer.register_step_post_hook(self._on_optimizer_step),
+                optimizer.register_zero_grad_post_hook(self._on_optimizer_zero_grad),
+            )
+        ]
         self._router = self._build_router()
         self._trainability = self._current_trainability()
         self._param_waits = ParamWaits(module, self.sharded_optimizers) if overlap_param_broadcast else None
@@ -268,7 +273,8 @@ class ShardedDataParallel(nn.Module):
         for optimizer in self.sharded_optimizers:
             optimizer.refresh_trainable()
         self._router.remove_hooks()
-        self._router = self._build_router()
+        old, self._router = self._router, self._build_router()
+        self._router.carry_tracking_from(old)
         self._trainability = self._current_trainability()
 
     def remove_hooks(self) -> None:
@@ -279,6 +285,9 @@ class ShardedDataParallel(nn.Module):
         ``fit``) would keep reducing gradients for no one. Call it when done with the wrapper.
         """
         self._router.remove_hooks()
+        for handle in self._optimizer_hooks:
+            handle.remove()
+        self._optimizer_hooks = []
         if self._param_waits is not None:
             self._param_waits.remove()
             self._param_waits = None
