@@ -128,6 +128,7 @@ class GradRouter:
         reduce_fp16: bool,
         names: Optional[dict[torch.Tensor, str]] = None,
         static_graph: bool = False,
+        optimizer_keys: Sequence[int] = (),
     ) -> None:
         self.group = group
         self.rank = _comm.group_rank(group)
@@ -154,17 +155,19 @@ class GradRouter:
         self._end_queued = False
         self._backward_started_at = 0.0
         self._unreducible: set[int] = set()  # parameters whose hook saw a sparse or graph-carrying gradient
-        self._consumed: set[int] = set()  # parameters whose reduced gradients a step has taken
-        # A backward after a step that nobody zeroed the gradients behind adds to what the step
-        # left on each owner, where DDP adds to every rank's copy: the owner's sum then lacks the
-        # other ranks' share. Harmless unless a step applies it (a GAN's generator backward
-        # reaches the discriminator's gradients, zeroed before its next step). Tracked here: the
-        # owned gradients a step left in place (tensor, version then); the optimizers stepped
-        # and not zeroed since (the same on every rank); the held gradients a backward added to
-        # (this rank's); and, agreed by all ranks, the parameters whose gradient is so spoiled
-        # (on the owner: the tensor handed out, until it is released or zeroed).
+        self._handed_out: set[int] = set()  # this rank's parameters the last reduce gave a gradient
+        # A backward that runs before the reduced gradients are zeroed (after a step, or with
+        # several optimizers before some stepped) adds to what the reduce handed out on each
+        # owner, where DDP adds to every rank's copy: the owner's sum then lacks the other ranks'
+        # share. Harmless unless a step applies it (a GAN's generator backward reaches the
+        # critic's gradients, zeroed before the critic's next step). Tracked here: the gradients
+        # the last reduce handed out on this rank; the optimizers (keys) not zeroed since (the
+        # same on every rank); the handed-out gradients a backward added to (this rank's); and,
+        # agreed by all ranks, the parameters whose gradient is so spoiled (on the owner: the
+        # tensor handed out, until it is released or zeroed).
+        self._optimizer_keys = frozenset(optimizer_keys)
         self._held_after_step: dict[int, torch.Tensor] = {}
-        self._unzeroed_steps: set[int] = set()
+        self._unzeroed: set[int] = set()
         self._added_to_held: dict[int, torch.Tensor] = {}  # index -> 0-dim flag: held was non-zero
         self._spoiled: dict[int, Optional[torch.Tensor]] = {}
         # On one rank every gradient is already complete where autograd put it.
@@ -179,12 +182,14 @@ class GradRouter:
         ]
 
     def carry_tracking_from(self, old: GradRouter) -> None:
-        """Take over what ``old`` (the router this one replaces) knew of gradients a step left
-        in place, so a rebuild (``refresh_trainable``) does not forget them. Same on every rank."""
+        """Take over what ``old`` (the router this one replaces) knew of the gradients its last
+        reduce handed out, so a rebuild (``refresh_trainable``) does not forget them. Same on
+        every rank."""
         def remap(entries: dict) -> dict:
             return {self._index_of[old.params[i]]: v for i, v in entries.items() if old.params[i] in self._index_of}
 
-        self._unzeroed_steps = set(old._unzeroed_steps)
+        self._unzeroed = set(old._unzeroed)
+        self._handed_out = set(remap({i: None for i in old._handed_out}))
         self._held_after_step = remap(old._held_after_step)
         self._added_to_held = remap(old._added_to_held)
         self._spoiled = remap(old._spoiled)
@@ -207,44 +212,22 @@ class GradRouter:
 
     # ----------------------------------------------------------------------- phase changes
 
-    def mark_grads_consumed(self, params: Optional[Iterable[torch.Tensor]] = None) -> None:
-        """An optimizer stepped on ``params`` (``None``: every gradient was zeroed or consumed).
-
-        The next backward starts afresh once every reduced gradient was consumed. With several
-        optimizers one step consumes only its own: a backward before the others step (or are
-        zeroed) would add to their owners' reduced sums what non-owners no longer hold.
-        """
-        if self.phase is not Phase.REDUCED:
-            return
-        if params is not None:
-            self._consumed.update(self._index_of[p] for p in params if p in self._index_of)
-            if len(self._consumed) < len(self.params):
-                return
-        self.phase = Phase.IDLE
-
-    def after_step(self, optimizer_key: int, params: Sequence[torch.Tensor]) -> None:
-        """An optimizer stepped on ``params``: their reduced gradients are consumed, and those
-        this rank owns stay in place until zeroed. A backward before that would add to them what
-        DDP adds to every rank's copy, but non-owners released theirs: remember them to tell."""
-        self.mark_grads_consumed(params)
-        if self.world_size == 1:
-            return  # every rank holds every gradient: autograd's sum is DDP's
-        self._unzeroed_steps.add(optimizer_key)
-        for p in params:
-            index = self._index_of.get(p)
-            if index is not None and p.grad is not None and self._owner_of[p] == self.rank:
-                self._held_after_step[index] = p.grad
+    def mark_grads_consumed(self) -> None:
+        """An optimizer stepped or gradients were zeroed: the next backward starts afresh (one
+        that adds to reduced gradients still held is told by the spoiled-gradient tracking)."""
+        if self.phase is Phase.REDUCED:
+            self.phase = Phase.IDLE
 
     def after_zero_grad(self, optimizer_key: Optional[int] = None, params: Optional[Sequence[torch.Tensor]] = None
                         ) -> None:
         """``params``' gradients (``None``: every one, the wrapper's ``zero_grad``) were zeroed."""
-        self.mark_grads_consumed(params)
+        self.mark_grads_consumed()
         if params is None:
-            self._unzeroed_steps.clear()
+            self._unzeroed.clear()
             self._held_after_step.clear()
             self._spoiled.clear()
             return
-        self._unzeroed_steps.discard(cast(int, optimizer_key))
+        self._unzeroed.discard(cast(int, optimizer_key))
         if not (self._held_after_step or self._spoiled):
             return
         for p in params:
@@ -270,12 +253,13 @@ class GradRouter:
             param = self.params[index]
             raise RuntimeError(
                 f"rank {self.rank}: optimizer.step() would apply the gradient of parameter "
-                f"{self._name(param)}, to which a backward added after the previous step had left it "
-                f"in place on its owner, rank {self._owner_of[param]}, with no zero_grad() in between. "
-                "DDP adds the new average to the old one on every rank, but the other ranks had "
-                "released theirs, so this sum lacks their share. Call optimizer.zero_grad() (or "
-                "model.zero_grad()) after each step; accumulate over several backward passes inside "
-                "no_sync()."
+                f"{self._name(param)}, to which a backward added after an earlier reduce had handed it "
+                f"out on its owner, rank {self._owner_of[param]}, with no zero_grad() in between (a "
+                "step without zero_grad(), or a second backward before this optimizer stepped). DDP "
+                "adds the new average to the old one on every rank, but the other ranks had released "
+                "theirs, so this sum lacks their share. Zero this optimizer's gradients before each "
+                "backward that should not add to them; accumulate over several backward passes "
+                "inside no_sync()."
             )
 
     def _still_spoiled(self, index: int) -> bool:
@@ -351,28 +335,32 @@ class GradRouter:
             self._launch_ready_buckets()
 
     def _before_accumulate(self, index: int, incoming: torch.Tensor) -> None:
-        """Before autograd adds to a parameter's gradient: whether it adds to the one a step left
-        in place, still non-zero (a release gives a new tensor; a zeroing, by any route, zeros).
-        Values, not version counters: the handed-out gradients share their bucket's counter,
-        and ``.data`` changes none. The flag stays on the device until the flush."""
-        if not self._held_after_step:
-            return
+        """Before autograd adds to a parameter's gradient: whether it adds to the one the last
+        reduce handed out, still non-zero (a release gives a new tensor; a zeroing, by any
+        route, zeros). Values, not version counters: the handed-out gradients share their
+        bucket's counter, and ``.data`` changes none. The flag stays on the device until the
+        flush."""
+        if self._held_after_step:
+            self._note_held(index, self.params[index].grad)
+
+    def _note_held(self, index: int, grad: Optional[torch.Tensor]) -> None:
+        """``grad``, about to be added to or reduced again, is it the handed-out one, non-zero?"""
         held = self._held_after_step.pop(index, None)
-        param = self.params[index]
-        if held is not None and param.grad is held:
+        if held is not None and grad is held:
             self._added_to_held[index] = held.ne(0).any()
 
     def _agree_on_spoiled(self) -> list[int]:
-        """Collective, once per step that nobody zeroed the gradients after: every rank learns
-        which gradients some owner's backward added to after the step left them in place."""
+        """Collective, at a reduce while some optimizer was not zeroed since the last one: every
+        rank learns which handed-out gradients some owner's backward added to, or that this
+        reduce takes again (held and not reached by the backward, its bucket still to leave)."""
+        for index in list(self._held_after_step):
+            self._note_held(index, self.params[index].grad)
         flags = torch.zeros(len(self.params), dtype=torch.int32, device=_comm.comm_device(self.group))
         for index, nonzero in self._added_to_held.items():
             flags[index] = nonzero.to(flags.device, torch.int32)
         _comm.all_reduce(flags, self.group, dist.ReduceOp.MAX)
         spoiled = flags.nonzero().flatten().tolist()
         self._spoiled.update((i, None) for i in spoiled)
-        self._unzeroed_steps.clear()
-        self._held_after_step.clear()
         self._added_to_held.clear()
         return spoiled
 
@@ -419,6 +407,14 @@ class GradRouter:
             if p.grad is not None:
                 self._check_reducible(p, p.grad)
         self._unreducible.clear()
+
+    def _check_taken_held_grad(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """A gradient the parameter holds without a hook having announced it, about to be taken
+        into a bucket: refuse what cannot be reduced, and note a handed-out one taken again."""
+        fixed = self._graph_fixed and self._pass.is_backward
+        (self._check_held_in_fixed_graph if fixed else self._check_reducible)(param, grad)
+        if self._held_after_step:
+            self._note_held(self._index_of[param], grad)
 
     def _check_reducible(self, param: torch.Tensor, grad: torch.Tensor) -> None:
         if grad.is_sparse:
@@ -506,8 +502,7 @@ class GradRouter:
     def _launch(self, b: int) -> None:
         bw = self._pass
         fill = self._fill(b)
-        fixed = self._graph_fixed and bw.is_backward
-        fill.seal(self._scale, check=self._check_held_in_fixed_graph if fixed else self._check_reducible)
+        fill.seal(self._scale, check=self._check_taken_held_grad)
         if self._static_graph and not self._graph_fixed and bw.is_backward:
             self._used_here.update(self._members[b][slot] for slot, w in enumerate(fill.written) if w)
         bw.fills[b] = None
@@ -554,7 +549,9 @@ class GradRouter:
         Once ``static_graph`` has fixed the graph, a backward checks its arrival counts instead
         (before the flush launches anything, so ranks that all see the change all raise alike)
         and hands out the learned set of used gradients."""
-        spoiled = self._agree_on_spoiled() if self._unzeroed_steps else []
+        spoiled = self._agree_on_spoiled() if self._unzeroed else []
+        self._handed_out.clear()
+        self._held_after_step.clear()
         bw = self._pass
         bw.flushed_at = time.perf_counter()
         fixed = after_backward and self._graph_fixed
@@ -574,8 +571,8 @@ class GradRouter:
                 self._finish(*bw.in_flight.popleft(), fixed=fixed)
         if spoiled:
             self._remember_hand_outs(spoiled)
+        self._unzeroed = set(self._optimizer_keys)
         self.phase = Phase.REDUCED
-        self._consumed.clear()
         if after_backward:
             self._learn_from(bw, agreed=not fixed)
 
@@ -609,7 +606,12 @@ class GradRouter:
         with torch.profiler.record_function("sharded::wait_reduce"):
             work.wait()
         if fill.bucket.owner == self.rank:
-            fill.hand_out(is_correction, self._used_slots[fill.index] if fixed else None)
+            handed = fill.hand_out(is_correction, self._used_slots[fill.index] if fixed else None)
+            members = self._members[fill.index]
+            for slot in handed:
+                index = members[slot]
+                self._handed_out.add(index)
+                self._held_after_step[index] = cast(torch.Tensor, self.params[index].grad)
         else:
             self._pass.held_bytes -= fill.nbytes
 
@@ -668,19 +670,15 @@ class GradRouter:
         return [self.params[i] for i in agreed.tolist()]
 
     def _grads_cleared_on_every_rank(self, except_param: Optional[torch.Tensor]) -> bool:
-        """Whether zero_grad() ran since the last reduce: every owner's gradients that no step
-        consumed are gone or zero.
+        """Whether zero_grad() ran since the last reduce: every gradient it handed out on this
+        rank that no step consumed is gone or zero (one it did not reach, such as a generator's
+        held from its own step while a critic's backward ran, is not its concern).
 
         Only reached when a backward starts without a step since the last one (e.g. GradScaler
         skipped it), so the one small collective that makes all ranks decide alike is cheap.
         """
-        cleared = all(
-            p.grad is None or not p.grad.any()
-            for bucket in self.buckets
-            if bucket.owner == self.rank
-            for p in bucket.params
-            if p is not except_param and self._index_of[p] not in self._consumed
-        )
+        handed = (self.params[i] for i in self._handed_out)
+        cleared = all(p.grad is None or not p.grad.any() for p in handed if p is not except_param)
         flag = torch.tensor([float(cleared)], device=_comm.comm_device(self.group))
         _comm.all_reduce(flag, self.group, dist.ReduceOp.MIN)
         return bool(flag.item())

@@ -77,22 +77,24 @@ class Fill:
         flags = torch.tensor(self.written, dtype=self.bucket.wire_dtype)
         used.copy_(flags, non_blocking=True)
 
-    def hand_out(self, add_to_existing: bool, used: Optional[Sequence[float]] = None) -> None:
+    def hand_out(self, add_to_existing: bool, used: Optional[Sequence[float]] = None) -> list[int]:
         """On the owner: make each used slot its parameter's gradient (or add it to the one there).
+        Returns the slots handed out.
 
         ``used`` (one entry per slot, > 0 where some rank produced the gradient) replaces the
         reduced flags, whose read is a host sync on an accelerator.
         """
         if used is None:
             used = self.buffer[self.bucket.numel :].tolist()
-        for slot, p in enumerate(self.bucket.params):
-            if used[slot] <= 0:
-                continue
+        handed = [slot for slot in range(len(self.bucket.params)) if used[slot] > 0]
+        for slot in handed:
+            p = self.bucket.params[slot]
             reduced = self.grad_view(slot)
             if add_to_existing and p.grad is not None:
                 p.grad.add_(reduced.to(p.dtype))
             else:
                 p.grad = reduced if reduced.dtype == p.dtype else reduced.to(p.dtype)
+        return handed
 
 
 class Pass:

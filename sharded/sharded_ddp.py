@@ -333,6 +333,7 @@ class ShardedDataParallel(nn.Module):
             self.reduce_fp16,
             names={p: n for n, p in self.module.named_parameters()},
             static_graph=self.static_graph,
+            optimizer_keys=[id(optimizer) for optimizer in self.sharded_optimizers],
         )
 
     def _trainable_params_covered_by_optimizers(self) -> list[torch.Tensor]:
@@ -374,7 +375,7 @@ class ShardedDataParallel(nn.Module):
         self._router.before_step(optimizer.partition.params)
 
     def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._router.after_step(id(optimizer), optimizer.partition.params)
+        self._router.mark_grads_consumed()
 
     def _on_optimizer_zero_grad(self, optimizer: OSS) -> None:
         self._router.after_zero_grad(id(optimizer), optimizer.partition.params)

@@ -78,10 +78,10 @@ def test_backward_twice_without_step_raises_instead_of_corrupting(world_size):
 
 
 def _check_second_backward_with_two_optimizers(rank, world):
-    """One optimizer's step consumes only its own parameters' gradients: a backward after it, while
-    the other optimizer still holds reduced gradients, raises (fairscale's two-closure loop: its
-    second optimizer stepped on sums that had lost the other ranks' share); the alternating loop,
-    which zeroes the other optimizer's gradients first, still matches DDP."""
+    """A backward after one optimizer stepped adds to the reduced gradients the other still
+    holds: its step raises (fairscale's two-closure loop: its second optimizer stepped on sums
+    that had lost the other ranks' share); the alternating loop, which zeroes each optimizer's
+    gradients before its own backward, still matches DDP."""
     def split(model):
         params = list(model.parameters())
         return params[: len(params) // 2], params[len(params) // 2 :]
@@ -91,7 +91,8 @@ def _check_second_backward_with_two_optimizers(rank, world):
     sdp = ShardedDataParallel(model, [first, second])
     closure = lambda: gpt_loss(sdp, token_batch(rank, 0)).backward()
     first.step(closure=closure)
-    with pytest.raises(RuntimeError, match=rf"rank {rank}: backward ran again after the gradients were reduced"):
+    with pytest.raises(RuntimeError, match=rf"rank {rank}: optimizer.step\(\) would apply the gradient of parameter "
+                       r"\S+, to which a backward added after an earlier reduce"):
         second.step(closure=closure)
 
     ref_model, our_model = gpt(), gpt()
@@ -155,7 +156,7 @@ def _check_step_without_zero_grad(rank, world):
             gpt_loss(wrapped, token_batch(rank, 2)).backward()
             if world > 1 and wrapped is sdp:
                 with pytest.raises(RuntimeError, match=rf"rank {rank}: optimizer.step\(\) would apply the gradient "
-                                   r"of parameter \S+, to which a backward added after the previous step"):
+                                   r"of parameter \S+, to which a backward added after an earlier reduce"):
                     opt.step()
                 release(model)
             else:
