@@ -222,13 +222,12 @@ class GradRouter:
                         ) -> None:
         """``params``' gradients (``None``: every one, the wrapper's ``zero_grad``) were zeroed."""
         self.mark_grads_consumed()
-        if params is None:
+        if params is not None:
+            self._unzeroed.discard(cast(int, optimizer_key))
+        if params is None or not self._unzeroed:  # every optimizer zeroed since the last reduce
             self._unzeroed.clear()
             self._held_after_step.clear()
             self._spoiled.clear()
-            return
-        self._unzeroed.discard(cast(int, optimizer_key))
-        if not (self._held_after_step or self._spoiled):
             return
         for p in params:
             index = self._index_of.get(p, -1)
