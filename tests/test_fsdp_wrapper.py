@@ -150,6 +150,34 @@ def test_hand_nested_wrappers_state_dict_round_trips_and_fairscale_summon(world_
     run_on_ranks(_check_nested_wrappers_state_dict, world_size)
 
 
+def _seeded_init(module: nn.Module) -> None:
+    if isinstance(module, nn.Linear):
+        module.weight.data.normal_(0.0, 0.02)
+        module.bias.data.zero_()
+
+
+def _check_apply_sees_full_parameters(rank, world):
+    reference = _nested_net(0)
+    plain = reference.state_dict()
+    plain_model = nn.Sequential(nn.Linear(4, 5), nn.Sequential(nn.Linear(5, 7), nn.Sequential(nn.Linear(7, 7), nn.BatchNorm1d(7))), nn.Linear(7, 3))
+    plain_model.load_state_dict(plain)
+    torch.manual_seed(5)
+    plain_model.apply(_seeded_init)
+    expected = plain_model.state_dict()
+    for what, build in (("root wrapper", lambda m: m), ("plain module around wrappers", lambda m: nn.Sequential(m))):
+        model = build(_nested_net(0))
+        torch.manual_seed(5)
+        assert model.apply(_seeded_init) is model
+        got = (model if isinstance(model, FSDP) else model[0]).state_dict()
+        for name in expected:
+            torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0, msg=f"{what}: {name}")
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_apply_initialises_full_parameters_like_the_unwrapped_model(world_size):
+    run_on_ranks(_check_apply_sees_full_parameters, world_size)
+
+
 class _Net(nn.Module):
     """A GPT plus a BatchNorm'd side path and an extra head to ignore."""
 

@@ -72,6 +72,8 @@ class MixedPrecision:
 
 
 ProcessGroups = Union[None, dist.ProcessGroup, tuple]
+_Module = TypeVar("_Module", bound=nn.Module)
+_applying: list[nn.Module] = []  # the wrapper whose apply() holds the full parameters now
 
 
 class _StaticOrFairscale:
@@ -213,6 +215,20 @@ class FullyShardedDataParallel(nn.Module):
             if name == "module":
                 raise
             return getattr(self.module, name)
+
+    def apply(self: _Module, fn: Callable[[nn.Module], None]) -> _Module:
+        """Collective: ``fn`` on every submodule, as ``nn.Module.apply``, with full parameters
+        (written back to the shards after), as FSDP1 and fairscale do: an initialiser such as
+        ``normal_`` run on each rank's shard would not give the unwrapped model's numbers.
+        Wrappers nested under this one (or under a module being applied) gather once, here."""
+        if _applying:
+            return super().apply(fn)  # type: ignore[misc]
+        _applying.append(self)
+        try:
+            with summon_full_params(cast(FullyShardedDataParallel, self).module, writeback=True):
+                return super().apply(fn)  # type: ignore[misc]
+        finally:
+            _applying.pop()
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Forwards inside accumulate gradients locally, with no communication."""
