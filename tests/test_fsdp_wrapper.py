@@ -4,6 +4,7 @@ state dicts and summon_full_params. Tolerances as stated in tests/_fsdp_referenc
 
 from __future__ import annotations
 
+import collections
 import functools
 
 import pytest
@@ -111,6 +112,70 @@ def _check_state_dict_and_full_params(rank, world):
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_full_state_dict_and_summon_full_params_use_unwrapped_names(world_size):
     run_on_ranks(_check_state_dict_and_full_params, world_size)
+
+
+def _nested_net(seed: int) -> nn.Module:
+    """fairscale's pattern: wrappers built by hand inside the model, then the whole wrapped."""
+    torch.manual_seed(seed)
+    inner = nn.Sequential(nn.Linear(5, 7), nn.Sequential(nn.Linear(7, 7), nn.BatchNorm1d(7)))
+    return FSDP(nn.Sequential(nn.Linear(4, 5), FSDP(nn.Sequential(inner[0], FSDP(inner[1]))), nn.Linear(7, 3)))
+
+
+def _check_nested_wrappers_state_dict(rank, world):
+    plain = _nested_net(0)
+    names = list(plain.state_dict())
+    assert "1.1.0.weight" in names and not any(".module." in n or n.startswith("module.") for n in names), names
+    torch.manual_seed(1)
+    x = torch.randn(6, 4)
+    plain(x).sum().backward()  # BatchNorm statistics move
+    saved = plain.state_dict()
+    assert type(saved) is collections.OrderedDict, "like nn.Module.state_dict"
+    fresh = _nested_net(2)
+    assert not torch.equal(fresh.state_dict()["1.0.weight"], saved["1.0.weight"])
+    fresh.load_state_dict(saved)
+    loaded = fresh.state_dict()
+    assert list(loaded) == names
+    for name in names:
+        torch.testing.assert_close(loaded[name], saved[name], rtol=0, atol=0, msg=name)
+    with fresh.summon_full_params(volatile=True):  # fairscale's instance spelling: no writeback
+        fresh.module[0].weight.data.fill_(9.0)
+    torch.testing.assert_close(fresh.state_dict()["0.weight"], saved["0.weight"], rtol=0, atol=0)
+    with fresh.summon_full_params():
+        fresh.module[0].weight.data.fill_(9.0)
+    assert bool((fresh.state_dict()["0.weight"] == 9.0).all())
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_hand_nested_wrappers_state_dict_round_trips_and_fairscale_summon(world_size):
+    run_on_ranks(_check_nested_wrappers_state_dict, world_size)
+
+
+def _seeded_init(module: nn.Module) -> None:
+    if isinstance(module, nn.Linear):
+        module.weight.data.normal_(0.0, 0.02)
+        module.bias.data.zero_()
+
+
+def _check_apply_sees_full_parameters(rank, world):
+    reference = _nested_net(0)
+    plain = reference.state_dict()
+    plain_model = nn.Sequential(nn.Linear(4, 5), nn.Sequential(nn.Linear(5, 7), nn.Sequential(nn.Linear(7, 7), nn.BatchNorm1d(7))), nn.Linear(7, 3))
+    plain_model.load_state_dict(plain)
+    torch.manual_seed(5)
+    plain_model.apply(_seeded_init)
+    expected = plain_model.state_dict()
+    for what, build in (("root wrapper", lambda m: m), ("plain module around wrappers", lambda m: nn.Sequential(m))):
+        model = build(_nested_net(0))
+        torch.manual_seed(5)
+        assert model.apply(_seeded_init) is model
+        got = (model if isinstance(model, FSDP) else model[0]).state_dict()
+        for name in expected:
+            torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0, msg=f"{what}: {name}")
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_apply_initialises_full_parameters_like_the_unwrapped_model(world_size):
+    run_on_ranks(_check_apply_sees_full_parameters, world_size)
 
 
 class _Net(nn.Module):

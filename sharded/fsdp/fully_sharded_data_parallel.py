@@ -9,8 +9,10 @@ parameters are the original ones (always ``use_orig_params=True``), sharded as D
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import enum
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -70,6 +72,32 @@ class MixedPrecision:
 
 
 ProcessGroups = Union[None, dist.ProcessGroup, tuple]
+_Module = TypeVar("_Module", bound=nn.Module)
+_applying: list[nn.Module] = []  # the wrapper whose apply() holds the full parameters now
+
+
+class _StaticOrFairscale:
+    """``summon_full_params`` in both spellings: torch's static ``FSDP.summon_full_params(model,
+    writeback=...)`` on the class, fairscale's ``model.summon_full_params(recurse=True,
+    volatile=False)`` on an instance (``volatile``: changes are not written back)."""
+
+    def __init__(self, static: Callable[..., contextlib.AbstractContextManager]) -> None:
+        self.static = static
+        self.__doc__ = static.__doc__
+
+    def __get__(self, instance: Optional[nn.Module], owner: type) -> Callable[..., contextlib.AbstractContextManager]:
+        if instance is None:
+            return self.static
+        return functools.partial(self._fairscale, instance)
+
+    def _fairscale(
+        self, instance: nn.Module, recurse: bool = True, volatile: bool = False, **torch_kwargs: Any
+    ) -> contextlib.AbstractContextManager:
+        if not recurse:
+            raise NotImplementedError(on_rank("summon_full_params(recurse=False): every unit under the module is gathered"))
+        if volatile:
+            torch_kwargs.setdefault("writeback", False)
+        return self.static(instance, **torch_kwargs)
 _Destination = TypeVar("_Destination", bound=dict[str, Any])
 
 
@@ -99,7 +127,7 @@ class FullyShardedDataParallel(nn.Module):
             materialised them and before they are sharded, so a meta-device model built with
             a different RNG on each rank ends with rank 0's values everywhere.
         device_mesh: a 2-D ``(replicate, shard)`` mesh for the hybrid strategies.
-        forward_prefetch, limit_all_gathers, use_orig_params: accepted for compatibility; the
+        forward_prefetch, limit_all_gathers, use_orig_params, flatten_parameters (fairscale): accepted for compatibility; the
             next unit is always prefetched in forward, at most one unit ahead, and parameters
             are always the original ones.
         reshard_after_forward, move_params_to_cpu, compute_dtype, fp32_reduce_scatter, and
@@ -113,7 +141,7 @@ class FullyShardedDataParallel(nn.Module):
         module: nn.Module,
         process_group: ProcessGroups = None,
         sharding_strategy: Optional[ShardingStrategy] = None,
-        cpu_offload: Optional[CPUOffload] = None,
+        cpu_offload: Union[None, CPUOffload, bool] = None,
         auto_wrap_policy: Any = None,
         backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE,
         mixed_precision: Union[None, MixedPrecision, bool] = None,
@@ -131,6 +159,7 @@ class FullyShardedDataParallel(nn.Module):
         move_params_to_cpu: bool = False,
         compute_dtype: Optional[torch.dtype] = None,
         fp32_reduce_scatter: bool = False,
+        flatten_parameters: bool = True,
     ) -> None:
         super().__init__()
         if auto_wrap_policy is not None and fsdp_auto_wrap_policy is not None:
@@ -141,6 +170,8 @@ class FullyShardedDataParallel(nn.Module):
             if sharding_strategy is not None:
                 raise ValueError(on_rank("pass sharding_strategy or fairscale's reshard_after_forward, not both"))
             sharding_strategy = ShardingStrategy.FULL_SHARD if reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
+        if isinstance(cpu_offload, bool):  # fairscale's older spelling of move_params_to_cpu
+            cpu_offload = CPUOffload(offload_params=cpu_offload)
         if move_params_to_cpu:
             cpu_offload = CPUOffload(offload_params=True)
         if isinstance(mixed_precision, bool):  # fairscale: fp16 compute (or compute_dtype), fp32 masters
@@ -172,6 +203,7 @@ class FullyShardedDataParallel(nn.Module):
             unit.backward_prefetch_timing = backward_prefetch
         self.module = module
         self.sharding_strategy = strategy
+        self.register_load_state_dict_pre_hook(_restore_wrapper_prefix)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -184,6 +216,20 @@ class FullyShardedDataParallel(nn.Module):
                 raise
             return getattr(self.module, name)
 
+    def apply(self: _Module, fn: Callable[[nn.Module], None]) -> _Module:
+        """Collective: ``fn`` on every submodule, as ``nn.Module.apply``, with full parameters
+        (written back to the shards after), as FSDP1 and fairscale do: an initialiser such as
+        ``normal_`` run on each rank's shard would not give the unwrapped model's numbers.
+        Wrappers nested under this one (or under a module being applied) gather once, here."""
+        if _applying:
+            return super().apply(fn)  # type: ignore[misc]
+        _applying.append(self)
+        try:
+            with summon_full_params(cast(FullyShardedDataParallel, self).module, writeback=True):
+                return super().apply(fn)  # type: ignore[misc]
+        finally:
+            _applying.pop()
+
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Forwards inside accumulate gradients locally, with no communication."""
         return cast(FSDPModule, self.module).no_sync()
@@ -192,8 +238,7 @@ class FullyShardedDataParallel(nn.Module):
         """Clip all gradients by their global norm (over every rank's shards); returns that norm."""
         return clip_grad_norm_(self.parameters(), max_norm, norm_type)
 
-    @staticmethod
-    def summon_full_params(
+    def _summon_full_params(
         module: nn.Module,
         writeback: bool = True,
         rank0_only: bool = False,
@@ -205,6 +250,9 @@ class FullyShardedDataParallel(nn.Module):
             raise NotImplementedError(on_rank("summon_full_params(with_grads=True) is not supported"))
         return summon_full_params(module, writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu)
 
+    summon_full_params = _StaticOrFairscale(_summon_full_params)
+    del _summon_full_params
+
     @overload
     def state_dict(self, *, destination: _Destination, prefix: str = ..., keep_vars: bool = ...) -> _Destination: ...
 
@@ -213,7 +261,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def state_dict(self, *args: Any, destination: Optional[dict] = None, prefix: str = "", keep_vars: bool = False) -> dict:
         """Collective: full tensors under the unwrapped model's names, on every rank."""
-        destination = {} if destination is None else destination
+        destination = collections.OrderedDict() if destination is None else destination
         for key, value in full_model_state_dict(self.module).items():
             destination[prefix + key] = value
         return destination
@@ -227,6 +275,21 @@ class FullyShardedDataParallel(nn.Module):
 
     def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator:
         return self.module.named_buffers(prefix, recurse, remove_duplicate)
+
+
+def _restore_wrapper_prefix(
+    wrapper: nn.Module, state_dict: dict, prefix: str, local_metadata: Any, strict: bool, missing: list, unexpected: list, errors: list
+) -> None:
+    """Load pre-hook of a wrapper nested inside another module: ``state_dict()`` names its entries
+    without the wrapper's ``module.`` (the unwrapped model's names), so ``load_state_dict`` on an
+    enclosing module reaching this wrapper puts it back; a name already valid is left as given."""
+    inner = cast(nn.Module, wrapper.module)
+    valid = {f"module.{n}" for n, _ in inner.named_parameters(remove_duplicate=False)}
+    valid |= {f"module.{n}" for n, _ in inner.named_buffers(remove_duplicate=False)}
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        rest = key[len(prefix) :]
+        if rest not in valid:
+            state_dict[f"{prefix}module.{rest}"] = state_dict.pop(key)
 
 
 def _mesh_for(strategy: ShardingStrategy, process_group: ProcessGroups, device_mesh: Optional[DeviceMesh]) -> DeviceMesh:
