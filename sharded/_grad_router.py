@@ -227,11 +227,13 @@ class GradRouter:
         if params is None or not self._unzeroed:  # every optimizer zeroed since the last reduce
             self._unzeroed.clear()
             self._held_after_step.clear()
+            self._added_to_held.clear()
             self._spoiled.clear()
             return
-        for p in params:
+        for p in params:  # a zeroing voids what was added to a gradient, as DDP's does
             index = self._index_of.get(p, -1)
             self._held_after_step.pop(index, None)
+            self._added_to_held.pop(index, None)
             self._spoiled.pop(index, None)
 
     def before_step(self, params: Sequence[torch.Tensor]) -> None:
