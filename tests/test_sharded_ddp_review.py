@@ -131,7 +131,7 @@ def test_wgan_with_several_critic_steps_per_generator_step_matches_ddp(world_siz
     run_on_ranks(_check_wgan_with_several_critic_steps, world_size)
 
 
-def _check_wgan_with_probe_between_step_and_zero_grad(rank: int, world: int, probe: str) -> None:
+def _check_wgan_with_probe_between_step_and_zero_grad(rank: int, world: int, probe: str, zero: str) -> None:
     """The WGAN loop with the critic probed after its step, before its next zero_grad(): by
     ``torch.autograd.grad`` (a gradient-norm log; ``.grad`` untouched) or a ``no_sync`` backward
     whose sum the zero_grad() discards. DDP runs both; the tensor pre-hook saw the critic's
@@ -151,7 +151,7 @@ def _check_wgan_with_probe_between_step_and_zero_grad(rank: int, world: int, pro
         for i in range(4):
             g = torch.Generator().manual_seed(100 * i + rank)
             real, z = torch.randn(5, 4, generator=g), torch.randn(5, 4, generator=g)
-            opt_d.zero_grad()
+            opt_d.zero_grad() if zero == "optimizer" else model.D.zero_grad()  # the latter: no hook
             wrapped("critic", real, model.G(z).detach()).backward()
             opt_d.step()
             if probe == "autograd.grad":
@@ -164,10 +164,11 @@ def _check_wgan_with_probe_between_step_and_zero_grad(rank: int, world: int, pro
                 wrapped("generator", z).backward()
                 opt_g.step()
         models.append(model)
-    _same(models[1], models[0], f"WGAN, critic probed by {probe} between its step and zero_grad")
+    _same(models[1], models[0], f"WGAN, critic probed by {probe} between its step and {zero}.zero_grad()")
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_wgan_with_critic_probed_before_its_zero_grad_matches_ddp(world_size):
-    for probe in ("no_sync backward", "autograd.grad"):
-        run_on_ranks(_check_wgan_with_probe_between_step_and_zero_grad, world_size, probe)
+    for zero in ("optimizer", "module"):
+        for probe in ("no_sync backward", "autograd.grad"):
+            run_on_ranks(_check_wgan_with_probe_between_step_and_zero_grad, world_size, probe, zero)
