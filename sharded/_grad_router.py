@@ -169,6 +169,7 @@ class GradRouter:
         self._held_after_step: dict[int, torch.Tensor] = {}
         self._unzeroed: set[int] = set()
         self._added_to_held: dict[int, torch.Tensor] = {}  # index -> 0-dim flag: held was non-zero
+        self._about_to_add: dict[int, torch.Tensor] = {}  # the same, until autograd really accumulates
         self._spoiled: dict[int, Optional[torch.Tensor]] = {}
         # On one rank every gradient is already complete where autograd put it.
         self._hooks = [
@@ -227,11 +228,14 @@ class GradRouter:
         if params is None or not self._unzeroed:  # every optimizer zeroed since the last reduce
             self._unzeroed.clear()
             self._held_after_step.clear()
+            self._added_to_held.clear()
+            self._about_to_add.clear()
             self._spoiled.clear()
             return
-        for p in params:
+        for p in params:  # a zeroing voids what was added to a gradient, as DDP's does
             index = self._index_of.get(p, -1)
             self._held_after_step.pop(index, None)
+            self._added_to_held.pop(index, None)
             self._spoiled.pop(index, None)
 
     def before_step(self, params: Sequence[torch.Tensor]) -> None:
@@ -305,6 +309,8 @@ class GradRouter:
             self._unreducible.add(index)  # the next forward (or reduce) raises while it is held
             if self.sync_enabled:
                 self._check_reducible(param, grad)
+        if self._about_to_add:
+            self._added(index)
         if not self.sync_enabled:
             if self.phase is Phase.REDUCED:  # no step consumed the last reduce (a skipped one)
                 self._leave_reduced(current=param)  # decide before no_sync() refills the grads
@@ -339,8 +345,18 @@ class GradRouter:
         route, zeros). Values, not version counters: the handed-out gradients share their
         bucket's counter, and ``.data`` changes none. The flag stays on the device until the
         flush."""
-        if self._held_after_step:
-            self._note_held(index, self.params[index].grad)
+        self._about_to_add.pop(index, None)
+        if not self.sync_enabled or index not in self._held_after_step:
+            return  # inside no_sync() the gradient stays put: the flush's scan judges it
+        if self.params[index].grad is self._held_after_step[index]:
+            self._about_to_add[index] = self._held_after_step[index].ne(0).any()
+
+    def _added(self, index: int) -> None:
+        """Autograd did accumulate (``torch.autograd.grad`` fires the pre-hook, not this)."""
+        flag = self._about_to_add.pop(index, None)
+        if flag is not None:
+            self._held_after_step.pop(index, None)
+            self._added_to_held[index] = flag
 
     def _note_held(self, index: int, grad: Optional[torch.Tensor]) -> None:
         """``grad``, about to be added to or reduced again, is it the handed-out one, non-zero?"""

@@ -129,3 +129,46 @@ def test_review_loops_match_ddp(world_size):
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_wgan_with_several_critic_steps_per_generator_step_matches_ddp(world_size):
     run_on_ranks(_check_wgan_with_several_critic_steps, world_size)
+
+
+def _check_wgan_with_probe_between_step_and_zero_grad(rank: int, world: int, probe: str, zero: str) -> None:
+    """The WGAN loop with the critic probed after its step, before its next zero_grad(): by
+    ``torch.autograd.grad`` (a gradient-norm log; ``.grad`` untouched) or a ``no_sync`` backward
+    whose sum the zero_grad() discards. DDP runs both; the tensor pre-hook saw the critic's
+    handed-out gradients "added to", and that note outlived the zero_grad() that voided it,
+    spoiling the fresh gradients of the next critic reduce (a false error at opt_d.step())."""
+    models = []
+    for sharded in (False, True):
+        model = _Gan()
+        if sharded:
+            opt_g = OSS(model.G.parameters(), torch.optim.SGD, lr=0.1)
+            opt_d = OSS(model.D.parameters(), torch.optim.SGD, lr=0.1)
+            wrapped = ShardedDataParallel(model, [opt_g, opt_d])
+        else:
+            opt_g = torch.optim.SGD(model.G.parameters(), lr=0.1)
+            opt_d = torch.optim.SGD(model.D.parameters(), lr=0.1)
+            wrapped = DDP(model, find_unused_parameters=True)
+        for i in range(4):
+            g = torch.Generator().manual_seed(100 * i + rank)
+            real, z = torch.randn(5, 4, generator=g), torch.randn(5, 4, generator=g)
+            opt_d.zero_grad() if zero == "optimizer" else model.D.zero_grad()  # the latter: no hook
+            wrapped("critic", real, model.G(z).detach()).backward()
+            opt_d.step()
+            if probe == "autograd.grad":
+                torch.autograd.grad(model("critic", real, model.G(z).detach()), list(model.D.parameters()))
+            else:
+                with wrapped.no_sync():
+                    wrapped("critic", real, model.G(z).detach()).backward()
+            if i % 2 == 0:
+                opt_g.zero_grad()
+                wrapped("generator", z).backward()
+                opt_g.step()
+        models.append(model)
+    _same(models[1], models[0], f"WGAN, critic probed by {probe} between its step and {zero}.zero_grad()")
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_wgan_with_critic_probed_before_its_zero_grad_matches_ddp(world_size):
+    for zero in ("optimizer", "module"):
+        for probe in ("no_sync backward", "autograd.grad"):
+            run_on_ranks(_check_wgan_with_probe_between_step_and_zero_grad, world_size, probe, zero)
