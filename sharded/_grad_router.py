@@ -168,8 +168,8 @@ class GradRouter:
         self._optimizer_keys = frozenset(optimizer_keys)
         self._held_after_step: dict[int, torch.Tensor] = {}
         self._unzeroed: set[int] = set()
-        self._added_to_held: dict[int, torch.Tensor] = {}  # index -> 0-dim flag: held was non-zero
-        self._about_to_add: dict[int, torch.Tensor] = {}  # the same, until autograd really accumulates
+        self._added_to_held: set[int] = set()
+        self._about_to_add: set[int] = set()  # the same, until autograd really accumulates
         self._spoiled: dict[int, Optional[torch.Tensor]] = {}
         # On one rank every gradient is already complete where autograd put it.
         self._hooks = [
@@ -192,7 +192,7 @@ class GradRouter:
         self._unzeroed = set(old._unzeroed)
         self._handed_out = set(remap({i: None for i in old._handed_out}))
         self._held_after_step = remap(old._held_after_step)
-        self._added_to_held = remap(old._added_to_held)
+        self._added_to_held = set(remap(dict.fromkeys(old._added_to_held)))
         self._spoiled = remap(old._spoiled)
 
     def remove_hooks(self) -> None:
@@ -235,7 +235,7 @@ class GradRouter:
         for p in params:  # a zeroing voids what was added to a gradient, as DDP's does
             index = self._index_of.get(p, -1)
             self._held_after_step.pop(index, None)
-            self._added_to_held.pop(index, None)
+            self._added_to_held.discard(index)
             self._spoiled.pop(index, None)
 
     def before_step(self, params: Sequence[torch.Tensor]) -> None:
@@ -340,29 +340,41 @@ class GradRouter:
             self._launch_ready_buckets()
 
     def _before_accumulate(self, index: int, incoming: torch.Tensor) -> None:
-        """Before autograd adds to a parameter's gradient: whether it adds to the one the last
-        reduce handed out, still non-zero (a release gives a new tensor; a zeroing, by any
-        route, zeros). Values, not version counters: the handed-out gradients share their
-        bucket's counter, and ``.data`` changes none. The flag stays on the device until the
-        flush."""
-        self._about_to_add.pop(index, None)
-        if not self.sync_enabled or index not in self._held_after_step:
-            return  # inside no_sync() the gradient stays put: the flush's scan judges it
-        if self.params[index].grad is self._held_after_step[index]:
-            self._about_to_add[index] = self._held_after_step[index].ne(0).any()
+        """Before autograd adds to a parameter's gradient: does it add to the one the last reduce
+        handed out, still non-zero? A release gives a new tensor; a zeroing, by any route (the
+        inner module's ``zero_grad(set_to_none=False)``, ``.data.zero_()``), leaves zeros, and
+        what is added after it is new: forget that gradient (and a spoiling it carried). Values,
+        not version counters: the handed-out gradients share their bucket's counter, and
+        ``.data`` changes none."""
+        if not (self._held_after_step or self._about_to_add):
+            return
+        self._about_to_add.discard(index)
+        held = self._held_after_step.get(index)
+        if held is None or self.params[index].grad is not held:
+            return
+        if not bool(held.any()):
+            self._forget_zeroed(index)
+        elif self.sync_enabled:  # inside no_sync() it stays put: a later zeroing or the flush's scan decides
+            self._about_to_add.add(index)
+
+    def _forget_zeroed(self, index: int) -> None:
+        del self._held_after_step[index]
+        self._added_to_held.discard(index)
+        if index in self._spoiled:  # the entry stays (every rank has it); its owner holds nothing spoiled
+            self._spoiled[index] = None
 
     def _added(self, index: int) -> None:
         """Autograd did accumulate (``torch.autograd.grad`` fires the pre-hook, not this)."""
-        flag = self._about_to_add.pop(index, None)
-        if flag is not None:
+        if index in self._about_to_add:
+            self._about_to_add.discard(index)
             self._held_after_step.pop(index, None)
-            self._added_to_held[index] = flag
+            self._added_to_held.add(index)
 
     def _note_held(self, index: int, grad: Optional[torch.Tensor]) -> None:
-        """``grad``, about to be added to or reduced again, is it the handed-out one, non-zero?"""
+        """``grad``, about to be reduced again: is it the handed-out one, non-zero?"""
         held = self._held_after_step.pop(index, None)
-        if held is not None and grad is held:
-            self._added_to_held[index] = held.ne(0).any()
+        if held is not None and grad is held and bool(held.any()):
+            self._added_to_held.add(index)
 
     def _agree_on_spoiled(self) -> list[int]:
         """Collective, at a reduce while some optimizer was not zeroed since the last one: every
@@ -371,8 +383,7 @@ class GradRouter:
         for index in list(self._held_after_step):
             self._note_held(index, self.params[index].grad)
         flags = torch.zeros(len(self.params), dtype=torch.int32, device=_comm.comm_device(self.group))
-        for index, nonzero in self._added_to_held.items():
-            flags[index] = nonzero.to(flags.device, torch.int32)
+        flags[sorted(self._added_to_held)] = 1
         _comm.all_reduce(flags, self.group, dist.ReduceOp.MAX)
         spoiled = flags.nonzero().flatten().tolist()
         self._spoiled.update((i, None) for i in spoiled)

@@ -3,6 +3,8 @@ and the several-optimizers consumption rule): each compares with DDP + the plain
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn as nn
@@ -172,3 +174,37 @@ def test_wgan_with_critic_probed_before_its_zero_grad_matches_ddp(world_size):
     for zero in ("optimizer", "module"):
         for probe in ("no_sync backward", "autograd.grad"):
             run_on_ranks(_check_wgan_with_probe_between_step_and_zero_grad, world_size, probe, zero)
+
+
+def _check_untold_in_place_zeroing(rank: int, world: int) -> None:
+    """Zeroing that the wrapper is not told of, in place (the inner module's
+    ``zero_grad(set_to_none=False)``, ``p.grad.data.zero_()``), then ``no_sync`` micro-steps and a
+    synced one: the zeros under the handed-out gradients void them, so nothing is spoiled."""
+    models = []
+    for sharded in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+        if sharded:
+            opt = OSS(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
+            wrapped = ShardedDataParallel(model, opt)
+        else:
+            opt, wrapped = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), DDP(model)
+        for i in range(4):
+            if i % 2:
+                model.zero_grad(set_to_none=False)
+            else:
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.grad.data.zero_()
+            for micro in range(3):
+                g = torch.Generator().manual_seed(10 * i + micro + 100 * rank)
+                with wrapped.no_sync() if micro < 2 else contextlib.nullcontext():
+                    wrapped(torch.randn(6, 4, generator=g)).pow(2).mean().backward()
+            opt.step()
+        models.append(model)
+    _same(models[1], models[0], "zeroing in place, untold, then no_sync accumulation")
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_untold_in_place_zeroing_then_no_sync_accumulation_matches_ddp(world_size):
+    run_on_ranks(_check_untold_in_place_zeroing, world_size)
