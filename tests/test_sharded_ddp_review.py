@@ -27,6 +27,18 @@ class _Gan(nn.Module):
         return -self.D(self.G(x)).mean()  # G's loss reaches D's parameters too
 
 
+def _gan_with_optimizers(sharded: bool) -> tuple[_Gan, torch.optim.Optimizer, torch.optim.Optimizer, nn.Module]:
+    """A GAN, its generator's and critic's SGD (OSS when ``sharded``), and its wrapper."""
+    model = _Gan()
+    if sharded:
+        opt_g = OSS(model.G.parameters(), torch.optim.SGD, lr=0.1)
+        opt_d = OSS(model.D.parameters(), torch.optim.SGD, lr=0.1)
+        return model, opt_g, opt_d, ShardedDataParallel(model, [opt_g, opt_d])
+    opt_g = torch.optim.SGD(model.G.parameters(), lr=0.1)
+    opt_d = torch.optim.SGD(model.D.parameters(), lr=0.1)
+    return model, opt_g, opt_d, DDP(model, find_unused_parameters=True)
+
+
 def _same(model: nn.Module, ref: nn.Module, what: str) -> None:
     for (name, a), b in zip(model.named_parameters(), ref.parameters()):
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-5), f"{what}: {name} differs from DDP"
@@ -36,17 +48,9 @@ def _check_wgan_with_several_critic_steps(rank: int, world: int) -> None:
     """WGAN's loop: the critic steps n_critic times per generator step, each optimizer zeroed
     just before its own backward. The critic's backward never touches G's gradients, which
     stay held from G's last step until G's next zero_grad: DDP is fine, so must we be."""
-    models, opts = [], []
+    models = []
     for sharded in (False, True):
-        model = _Gan()
-        if sharded:
-            opt_g = OSS(model.G.parameters(), torch.optim.SGD, lr=0.1)
-            opt_d = OSS(model.D.parameters(), torch.optim.SGD, lr=0.1)
-            wrapped = ShardedDataParallel(model, [opt_g, opt_d])
-        else:
-            opt_g = torch.optim.SGD(model.G.parameters(), lr=0.1)
-            opt_d = torch.optim.SGD(model.D.parameters(), lr=0.1)
-            wrapped = DDP(model, find_unused_parameters=True)
+        model, opt_g, opt_d, wrapped = _gan_with_optimizers(sharded)
         for i in range(5):
             g = torch.Generator().manual_seed(100 * i + rank)
             real, z = torch.randn(5, 4, generator=g), torch.randn(5, 4, generator=g)
@@ -141,15 +145,7 @@ def _check_wgan_with_probe_between_step_and_zero_grad(rank: int, world: int, pro
     spoiling the fresh gradients of the next critic reduce (a false error at opt_d.step())."""
     models = []
     for sharded in (False, True):
-        model = _Gan()
-        if sharded:
-            opt_g = OSS(model.G.parameters(), torch.optim.SGD, lr=0.1)
-            opt_d = OSS(model.D.parameters(), torch.optim.SGD, lr=0.1)
-            wrapped = ShardedDataParallel(model, [opt_g, opt_d])
-        else:
-            opt_g = torch.optim.SGD(model.G.parameters(), lr=0.1)
-            opt_d = torch.optim.SGD(model.D.parameters(), lr=0.1)
-            wrapped = DDP(model, find_unused_parameters=True)
+        model, opt_g, opt_d, wrapped = _gan_with_optimizers(sharded)
         for i in range(4):
             g = torch.Generator().manual_seed(100 * i + rank)
             real, z = torch.randn(5, 4, generator=g), torch.randn(5, 4, generator=g)
