@@ -42,7 +42,7 @@ import functools
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable, NoReturn, Optional, Sequence, cast
+from typing import NoReturn, Optional, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -155,7 +155,6 @@ class GradRouter:
         self._end_queued = False
         self._backward_started_at = 0.0
         self._unreducible: set[int] = set()  # parameters whose hook saw a sparse or graph-carrying gradient
-        self._handed_out: set[int] = set()  # this rank's parameters the last reduce gave a gradient
         # A backward that runs before the reduced gradients are zeroed (after a step, or with
         # several optimizers before some stepped) adds to what the reduce handed out on each
         # owner, where DDP adds to every rank's copy: the owner's sum then lacks the other ranks'
@@ -190,7 +189,6 @@ class GradRouter:
             return {self._index_of[old.params[i]]: v for i, v in entries.items() if old.params[i] in self._index_of}
 
         self._unzeroed = set(old._unzeroed)
-        self._handed_out = set(remap({i: None for i in old._handed_out}))
         self._held_after_step = remap(old._held_after_step)
         self._added_to_held = set(remap(dict.fromkeys(old._added_to_held)))
         self._spoiled = remap(old._spoiled)
@@ -576,7 +574,6 @@ class GradRouter:
         (before the flush launches anything, so ranks that all see the change all raise alike)
         and hands out the learned set of used gradients."""
         spoiled = self._agree_on_spoiled() if self._unzeroed else []
-        self._handed_out.clear()
         self._held_after_step.clear()
         bw = self._pass
         bw.flushed_at = time.perf_counter()
@@ -636,7 +633,6 @@ class GradRouter:
             members = self._members[fill.index]
             for slot in handed:
                 index = members[slot]
-                self._handed_out.add(index)
                 self._held_after_step[index] = cast(torch.Tensor, self.params[index].grad)
         else:
             self._pass.held_bytes -= fill.nbytes
@@ -703,7 +699,7 @@ class GradRouter:
         Only reached when a backward starts without a step since the last one (e.g. GradScaler
         skipped it), so the one small collective that makes all ranks decide alike is cheap.
         """
-        handed = (self.params[i] for i in self._handed_out)
+        handed = (self.params[i] for i in self._held_after_step)
         cleared = all(p.grad is None or not p.grad.any() for p in handed if p is not except_param)
         flag = torch.tensor([float(cleared)], device=_comm.comm_device(self.group))
         _comm.all_reduce(flag, self.group, dist.ReduceOp.MIN)
