@@ -128,22 +128,17 @@ class OSS(Optimizer):
         """Zero (or release) every parameter's gradient, as torch's; then tell the hooks (a
         ``ShardedDataParallel`` learns that the gradients a step left in place are gone)."""
         super().zero_grad(set_to_none=set_to_none)
-        for hook in list(self._zero_grad_post_hooks.values()):
-            hook(self)
+        self._run_hooks(self._zero_grad_post_hooks)
 
     def register_zero_grad_post_hook(self, hook: Callable[[OSS], None]) -> RemovableHandle:
         """Call ``hook(optimizer)`` after each :meth:`zero_grad`. Returns a handle to remove it."""
-        handle = RemovableHandle(self._zero_grad_post_hooks)
-        self._zero_grad_post_hooks[handle.id] = hook
-        return handle
+        return _add_hook(self._zero_grad_post_hooks, hook)
 
     def register_before_update_hook(self, hook: Callable[[OSS], None]) -> RemovableHandle:
         """Call ``hook(optimizer)`` in each :meth:`step` once the gradients are final (after the
         closure, if one is given) and before any parameter is updated: unlike torch's step
         pre-hooks, it sees what the closure's backward did. Returns a handle to remove it."""
-        handle = RemovableHandle(self._before_update_hooks)
-        self._before_update_hooks[handle.id] = hook
-        return handle
+        return _add_hook(self._before_update_hooks, hook)
 
     # ------------------------------------------------------------------ partition views
 
@@ -279,7 +274,10 @@ class OSS(Optimizer):
         return closure_then_hooks
 
     def _run_before_update_hooks(self) -> None:
-        for hook in list(self._before_update_hooks.values()):
+        self._run_hooks(self._before_update_hooks)
+
+    def _run_hooks(self, hooks: OrderedDict[int, Callable[[OSS], None]]) -> None:
+        for hook in list(hooks.values()):
             hook(self)
 
     def clip_grad_norm(
@@ -510,3 +508,9 @@ def _in_order_of_use(buckets: tuple, params: Sequence[torch.Tensor]) -> tuple:
     usually reads them), so that broadcasts are issued, and arrive, roughly as they are needed."""
     position = {id(p): i for i, p in enumerate(params)}
     return tuple(sorted(buckets, key=lambda b: min(position.get(id(t), len(position)) for t in b.tensors)))
+
+
+def _add_hook(hooks: OrderedDict[int, Callable[[OSS], None]], hook: Callable[[OSS], None]) -> RemovableHandle:
+    handle = RemovableHandle(hooks)
+    hooks[handle.id] = hook
+    return handle
