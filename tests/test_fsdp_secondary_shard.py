@@ -6,7 +6,8 @@ Bit for bit against ``reshard_after_forward=True`` (the gathered values are the 
 where they come from differs); against torch's ``fully_shard`` with the same argument and against
 DDP + SGD to the tolerance of tests/_fsdp_reference.py (at world 4 gloo's reductions add in
 another order than torch's, 2e-9 apart with ``True`` as with ``2``); with and without activation
-checkpointing (whose recomputation in backward is what consumes the kept piece then).
+checkpointing (whose recomputation in backward is what consumes the kept piece then; reentrant
+checkpointing keeps none: its first forward runs without grad, its recompute gathers from all).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def _secondary_shard_cases(rank, world):
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     from sharded.fsdp._unit import unit_of
+    from tests.test_fsdp2_recompute import RecomputedGPT
     from tests.test_fsdp_features import CheckpointedGPT
 
     # bit for bit against resharding fully; against torch's fully_shard with the same argument
@@ -75,7 +77,8 @@ def _secondary_shard_cases(rank, world):
     assert all(unit_of(b)._post_forward_piece is None for b in ours.blocks), "no piece kept without grad"
 
     # against DDP + SGD, plain and with activation checkpointing
-    for what, make in (("hpZ", gpt), ("hpZ, activation checkpointing", CheckpointedGPT)):
+    reentrant = lambda: RecomputedGPT(reentrant=True)  # noqa: E731
+    for what, make in (("hpZ", gpt), ("hpZ, activation checkpointing", CheckpointedGPT), ("hpZ, reentrant", reentrant)):
         ref, sharded_model = DDP(gpt()), shard_gpt(make(), reshard_after_forward=2)
         train_both(list(zip((ref, sharded_model), optimizers_for(SGD, ref, sharded_model))), rank)
         assert_matches_ddp(sharded_model, ref.module, what)

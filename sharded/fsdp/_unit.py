@@ -266,7 +266,8 @@ class Unit:
     def _keep_post_forward_piece(self, gathered: torch.Tensor) -> None:
         """``reshard_after_forward=k``: keep this rank's piece of a forward's gather for backward."""
         hpz = isinstance(self.reshard_after_forward, int) and not isinstance(self.reshard_after_forward, bool)
-        if hpz and self.secondary_shard is not None and self.training_state is TrainingState.FORWARD and torch.is_grad_enabled():
+        forward = self.training_state is TrainingState.FORWARD and not self.running_root.in_backward
+        if hpz and self.secondary_shard is not None and forward and torch.is_grad_enabled():
             self._post_forward_piece = self.secondary_shard.rows(gathered, self.mesh_info.shard_world)
 
     def reshard(self) -> None:
@@ -286,18 +287,11 @@ class Unit:
 
     def pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
         root = self.running_root
-        if root.in_backward:  # activation checkpointing recomputes this forward during backward
-            self.unshard()
+        if root.in_backward and not self._runs_as_new_forward():
+            self.unshard()  # recomputed for a backward already set up (non-reentrant checkpointing)
             return args, kwargs
         if self.training_state is not TrainingState.FORWARD:  # the first of a list unit's modules
-            if root.unit is self:
-                root.begin_forward()
-            self.training_state = TrainingState.FORWARD
-            self._modules_to_run = set(self.modules)
-            root.record_forward(self)
-            self.unshard(async_op=True)
-            root.prefetch_forward(self)
-            self.wait_for_unshard()
+            self._begin_forward(root)
         mp = self.config.mp_policy
         if mp.param_dtype is not None and mp.cast_forward_inputs:
             args, kwargs = cast_floats((args, kwargs), mp.param_dtype)
@@ -309,19 +303,52 @@ class Unit:
             self._reduce_at_end = self._reduce_at_end or not watched
         return args, kwargs
 
+    def _runs_as_new_forward(self) -> bool:
+        """A forward during backward builds a graph of its own whose backward comes next, and is
+        set up as any forward, when no earlier forward's backward is pending for the unit: the
+        recompute of reentrant checkpointing (``use_reentrant=True``, Megatron's full recompute),
+        whose first forward ran without grad, or which runs again after the unit sent its
+        gradients (a block used twice). Otherwise it only refills tensors that the pending
+        backward saved (non-reentrant checkpointing), and the hooks of the first forward stay in
+        charge."""
+        if not torch.is_grad_enabled():
+            return False
+        if self.training_state in (TrainingState.FORWARD, TrainingState.POST_BACKWARD):
+            return True
+        return not self.awaiting_backward
+
+    def _begin_forward(self, root: Root) -> None:
+        """Enter FORWARD and gather. A model's forward also records the order units run in and
+        prefetches the next; a forward recomputed inside backward touches neither (that order
+        is the model's forward, and the unit's backward follows at once)."""
+        self.training_state = TrainingState.FORWARD
+        self._modules_to_run = set(self.modules)
+        if root.in_backward:
+            self.unshard()
+            return
+        if root.unit is self:
+            root.begin_forward()
+        root.record_forward(self)
+        self.unshard(async_op=True)
+        root.prefetch_forward(self)
+        self.wait_for_unshard()
+
     def post_forward(self, module: nn.Module, output: Any) -> Any:
         root = self.running_root
-        if root.in_backward:
-            return output
+        if root.in_backward and self.training_state is not TrainingState.FORWARD:
+            return output  # a recompute that only refilled saved tensors
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled:
             register_pre_backward(self.pre_backward, output)
         self._modules_to_run.discard(module)
         if not self._modules_to_run and self.training_state is TrainingState.FORWARD:
-            self.complete_forward(grad_enabled)
+            if root.in_backward:  # its backward runs next: keep the parameters gathered for it
+                self.training_state = TrainingState.IDLE
+            else:
+                self.complete_forward(grad_enabled)
         if self.config.mp_policy.output_dtype is not None:
             output = cast_floats(output, self.config.mp_policy.output_dtype)
-        if root.unit is self:
+        if root.unit is self and not root.in_backward:
             root.end_forward(grad_enabled)
         return output
 
