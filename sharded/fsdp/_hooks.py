@@ -19,6 +19,7 @@ from torch import nn
 
 __all__ = [
     "install_forward_hooks",
+    "install_state_dict_hooks",
     "watch_input_gradients",
     "register_pre_backward",
     "map_tensors",
@@ -47,6 +48,14 @@ def install_forward_hooks(module: nn.Module, pre_forward: Callable, post_forward
 
     module.register_forward_pre_hook(pre_hook, prepend=True, with_kwargs=True)
     module.register_forward_hook(post_hook)
+
+
+def install_state_dict_hooks(module: nn.Module, before: Callable[[], None], after_load: Callable[[], None]) -> None:
+    """Call ``before()`` ahead of ``module``'s ``state_dict()`` and ``load_state_dict()`` (as part
+    of its parent's too), and ``after_load()`` once it has loaded."""
+    module.register_state_dict_pre_hook(lambda *_args, **_kwargs: before())
+    module._register_load_state_dict_pre_hook(lambda *_args, **_kwargs: before())
+    module.register_load_state_dict_post_hook(lambda *_args, **_kwargs: after_load())
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:

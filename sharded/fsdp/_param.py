@@ -190,6 +190,33 @@ class ShardedParam:
         fresh.__dict__.update(self._sharded.__dict__)
         torch.utils.swap_tensors(self._sharded, fresh)
 
+    def adopt(self, replacement: Optional[torch.Tensor]) -> None:
+        """Make ``replacement``, which a module now holds in this parameter's place (assigned by
+        ``load_state_dict(assign=True)`` or plain attribute assignment), the sharded parameter,
+        as torch's FSDP2 adopts it: the optimizer built after the load holds that object.
+        It must be a shard laid out as the one it replaces (a DTensor of the same global shape,
+        mesh and placements); its values are taken as they are (the unit repacks them into its
+        buffer before the next gather)."""
+        current = cast(DTensor, self.sharded)
+        if replacement is None:
+            raise ValueError(f"parameter {self.fqn} was removed from its module after fully_shard")
+        if not isinstance(replacement, DTensor):
+            raise TypeError(
+                f"parameter {self.fqn} was replaced after fully_shard by a {type(replacement).__name__} of shape "
+                f"{tuple(replacement.shape)}, not a DTensor shard: assign nn.Parameter(distribute_tensor(full, "
+                f"{current.device_mesh}, {list(current.placements)})), or load a full state dict with "
+                "torch.distributed.checkpoint.state_dict.set_model_state_dict(..., full_state_dict=True)"
+            )
+        found = (replacement.shape, replacement.device_mesh, tuple(replacement.placements), replacement.to_local().shape)
+        expected = (current.shape, current.device_mesh, tuple(current.placements), current.to_local().shape)
+        if found != expected:
+            raise ValueError(
+                f"parameter {self.fqn} was replaced after fully_shard by a DTensor laid out as "
+                f"(shape, mesh, placements, local shape) {found}, but its shard is {expected}"
+            )
+        self._sharded = cast(nn.Parameter, replacement)
+        self.show(self._sharded)
+
     def local_shard(self) -> torch.Tensor:
         """The sharded parameter's current local tensor."""
         with torch.no_grad():

@@ -18,11 +18,11 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .._errors import on_rank
 
-__all__ = ["register_sharded", "unit_owning", "retire", "replaced_as", "install_optimizer_guard"]
+__all__ = ["register_sharded", "unit_owning", "retire", "replaced_as", "retired_by", "install_optimizer_guard"]
 
 _owners: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
-# id(original) -> (original, the unit that took it, the ShardedParam replacing it)
-_retired: dict[int, tuple["weakref.ref[torch.Tensor]", "weakref.ref[Any]", Any]] = {}
+# id(original) -> (original, the unit that took it, the ShardedParam replacing it, by what)
+_retired: dict[int, tuple["weakref.ref[torch.Tensor]", "weakref.ref[Any]", Any, str]] = {}
 _guard_lock = threading.Lock()
 _guard_installed = False
 
@@ -38,12 +38,12 @@ def unit_owning(param: torch.Tensor) -> Optional[Any]:
     return unit if unit is not None and any(sp.sharded is param for sp in unit.params) else None
 
 
-def retire(original: torch.Tensor, unit: Any, replacement: Any) -> None:
-    """Record that ``original`` was replaced by ``replacement`` (a ShardedParam of ``unit``).
-    Names are read when a message needs them: the unit's and parameter's paths are known only
-    once the model has run a forward."""
+def retire(original: torch.Tensor, unit: Any, replacement: Any, before: str = "sharding") -> None:
+    """Record that ``original`` was replaced by ``replacement`` (a ShardedParam of ``unit``);
+    ``before`` says by what, for the optimizer's error ("... as it was before sharding"). Names are read when a message needs them:
+    the unit's and parameter's paths are known only once the model has run a forward."""
     key = id(original)
-    _retired[key] = (weakref.ref(original, lambda _ref: _retired.pop(key, None)), weakref.ref(unit), replacement)
+    _retired[key] = (weakref.ref(original, lambda _ref: _retired.pop(key, None)), weakref.ref(unit), replacement, before)
 
 
 def replaced_as(param: torch.Tensor) -> Optional[str]:
@@ -52,10 +52,16 @@ def replaced_as(param: torch.Tensor) -> Optional[str]:
     entry = _retired.get(id(param))
     if entry is None or entry[0]() is not param:
         return None
-    _, unit_ref, replacement = entry
+    _, unit_ref, replacement, _ = entry
     unit = unit_ref()
     taken_by = f" (taken by fully_shard({unit.module_name}))" if unit is not None else ""
     return f"{replacement.fqn}{taken_by}"
+
+
+def retired_by(param: torch.Tensor) -> str:
+    """What replaced ``param`` in its module (``retire``'s ``before``)."""
+    entry = _retired.get(id(param))
+    return entry[3] if entry is not None else ""
 
 
 def install_optimizer_guard() -> None:
@@ -76,6 +82,7 @@ def _refuse_replaced_params(optimizer: torch.optim.Optimizer, _args: Any, _kwarg
             if replacement is not None:
                 raise RuntimeError(on_rank(
                     f"{type(optimizer).__name__} holds parameter {replacement} as it was before "
-                    "sharding; it gets no gradient, so this optimizer would train nothing. "
-                    "Build the optimizer after fully_shard / FullyShardedDataParallel, from model.parameters()"
+                    f"{retired_by(param)}; it gets no gradient, so this optimizer would train nothing. "
+                    "Build the optimizer after fully_shard / FullyShardedDataParallel (and after a "
+                    "load_state_dict(assign=True)), from model.parameters()"
                 ))

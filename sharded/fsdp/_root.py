@@ -68,6 +68,8 @@ class Root:
             u.context = unit.context
             if u.reshard_after_forward is None:  # FSDP2's default: True, except for the root
                 u.reshard_after_forward = u is not unit
+        for u in units:  # parameters assigned before the first forward are named by their paths too
+            u.adopt_assigned_params(shards_only=True)
         root._name_by_paths(unit.module)
         root._check_same_across_ranks()
         check_no_late_hooks([sp for u in units for sp in u.params])

@@ -29,7 +29,9 @@ from ._param import ShardedParam
 from ._secondary_shard import SecondaryShard
 from ._reduce_ops import division_plan
 from ._reduction import GradientShards, ReduceSettings, Reduction
+from ._registry import register_sharded, retire
 from ._streams import CommStreams
+from .._errors import on_rank
 from .policies import BackwardPrefetch, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 if TYPE_CHECKING:
@@ -213,6 +215,36 @@ class Unit:
             if sp.gather_extension:
                 shard_with_extension(sp, full)
 
+    def reshard_at_rest(self) -> None:
+        """Before a state dict is read or loaded: show the shards (a unit kept gathered after
+        forward or backward would otherwise be read, or loaded into, in its gathered form)."""
+        if self.training_state is TrainingState.IDLE:
+            self.reshard()
+
+    def adopt_assigned_params(self, shards_only: bool = False) -> None:
+        """Take as the sharded parameter whatever the module now holds in its place while the
+        unit is sharded (``load_state_dict(assign=True)``, as Accelerate's and DCP's loading of a
+        meta-device model does, or plain assignment): the forward computes with it and its
+        ``.grad`` gets the gradient, as with torch's FSDP2; the parameter it replaced is retired,
+        so an optimizer still holding that one raises at its step instead of training nothing.
+
+        ``shards_only``: leave alone a replacement that is not a DTensor (``summon_full_params``
+        shows full ones), for the gather before the next forward to refuse, naming it.
+        """
+        if self.shard_state is not ShardState.SHARDED:
+            return
+        for sp in self.params:
+            held = sp.held_by_module()
+            if held is sp.sharded or (shards_only and not isinstance(held, DTensor)):
+                continue
+            replaced = sp.sharded
+            try:
+                sp.adopt(held)
+            except (TypeError, ValueError) as bad:
+                raise type(bad)(on_rank(f"fully_shard({self.module_name}): {bad}")) from None
+            register_sharded(sp.sharded, self)
+            retire(replaced, self, sp, before="load_state_dict(assign=True) or an assignment replaced it")
+
     # ------------------------------------------------------------------ communication
 
     def unshard(self, async_op: bool = False) -> None:
@@ -223,6 +255,7 @@ class Unit:
             self.wait_for_unshard()
 
     def _start_gather(self) -> None:
+        self.adopt_assigned_params()
         self.storage.ensure_shards_current(where=repr(self))
         self.storage.prepare_unsharded()
         piece, self._post_forward_piece = self._post_forward_piece, None
@@ -496,6 +529,7 @@ class Unit:
 
     def gather_full_copies(self, device: Optional[torch.device] = None) -> list[torch.Tensor]:
         """Collective: fresh full copies of the parameters in the shards' own dtype."""
+        self.adopt_assigned_params(shards_only=True)
         self.storage.ensure_shards_current(where=repr(self))
         storage = self.storage
         info = self.mesh_info

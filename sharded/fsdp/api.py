@@ -23,7 +23,7 @@ from ._collect import check_not_sharded, collect_unit_params
 from ._extension import has_gather_extension
 from .._errors import on_rank
 from ._fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method, run_pre_forward
-from ._hooks import install_forward_hooks
+from ._hooks import install_forward_hooks, install_state_dict_hooks
 from ._layout import layout_for, local_tensor_of
 from ._mesh import MeshInfo, resolve_mesh
 from ._param import ShardedParam, ShardGeometry
@@ -139,6 +139,7 @@ def fully_shard(
     for m in modules:
         _move_buffers(m, info.device)
         install_forward_hooks(m, functools.partial(run_pre_forward, unit, m), functools.partial(unit.post_forward, m))
+        install_state_dict_hooks(m, unit.reshard_at_rest, functools.partial(unit.adopt_assigned_params, shards_only=True))
         m.__class__ = _with_fsdp_methods(cast(type, type(m)))
     install_optimizer_guard()
     return module
