@@ -29,6 +29,7 @@ __all__ = [
     "ShardedGradScaler",
     "fully_shard",
     "FullyShardedDataParallel",
+    "use_for_torch_fsdp",
     "MemoryEstimate",
     "estimate_memory",
     "plan",

@@ -26,6 +26,8 @@ _EXPORTS = {
     "MixedPrecision": ".fully_sharded_data_parallel",
     "clip_grad_norm_": "._grad_norm",
     "summon_full_params": "._full_params",
+    "use_for_torch_fsdp": "._torch_route",
+    "TorchFSDPRoute": "._torch_route",
 }
 
 __all__ = list(_EXPORTS)
