@@ -5,8 +5,8 @@ recompute) runs a unit's first forward without grad and its real forward inside 
 it builds a graph of its own: the unit must set up its backward then, or its gradients are never
 sent (they were dropped, silently, before). Non-reentrant checkpointing recomputes inside the
 backward the first forward already set up. Both, per block and around the whole stack of
-blocks, around the root itself, with ``reshard_after_forward`` True / False / an int, with
-explicit prefetching, with a block whose recompute runs twice (used twice in forward), and
+blocks, around the root itself, by torch's ``checkpoint_wrapper`` and composable ``checkpoint``,
+with ``reshard_after_forward`` True / False / an int, with explicit prefetching, with a block whose recompute runs twice (used twice in forward), and
 through the FSDP1-shaped wrapper: the same losses and parameters as torch's ``fully_shard`` on
 the same code and data, bit for bit at worlds 1 and 2 (at world 3 gloo's reduce-scatter adds in
 another order than ours: float32 rounding, as in tests/_fsdp_reference.py).
@@ -117,6 +117,23 @@ def _assert_same(ours, theirs, what: str, exact: bool) -> None:
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=lambda m: f"{what}: {name}: {m}")
 
 
+def _wrapped_blocks(how: str) -> nn.Module:
+    """The plain GPT with its blocks checkpointed by torch's wrappers, applied before sharding
+    as torchtitan and Lightning do: ``checkpoint_wrapper`` (reentrant or not; the block becomes
+    the wrapper's child) or the composable ``checkpoint(block)`` (module hooks, non-reentrant)."""
+    from torch.distributed._composable import checkpoint as composable_checkpoint
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    model = RecomputedGPT(reentrant=False, around="nothing")
+    for i, block in enumerate(model.blocks):
+        if how == "composable":
+            composable_checkpoint(block)
+        else:
+            impl = CheckpointImpl.REENTRANT if how == "reentrant" else CheckpointImpl.NO_REENTRANT
+            model.blocks[i] = checkpoint_wrapper(block, checkpoint_impl=impl)
+    return model
+
+
 def _recompute_cases(rank, world):
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
@@ -146,6 +163,11 @@ def _recompute_cases(rank, world):
     theirs = _train(_shard(RecomputedGPT(reentrant=True, around="nothing", shared=True), torch_fully_shard), rank)
     ours = _train(_shard(RecomputedGPT(reentrant=True, shared=True), fully_shard), rank)
     _assert_same(ours, theirs, "reentrant, a block recomputed twice", exact=world == 1)
+
+    for how in ("reentrant", "non-reentrant", "composable"):
+        theirs = _train(_shard(_wrapped_blocks(how), torch_fully_shard), rank)
+        ours = _train(_shard(_wrapped_blocks(how), fully_shard), rank)
+        _assert_same(ours, theirs, f"{how} checkpoint wrapper per block", exact)
 
     theirs = _train(_shard(CheckpointedRoot(), torch_fully_shard), rank, _root_loss, _root_batch)
     ours = _train(_shard(CheckpointedRoot(), fully_shard), rank, _root_loss, _root_batch)
