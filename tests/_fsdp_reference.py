@@ -63,6 +63,34 @@ def assert_matches_ddp(ours: nn.Module, ref: nn.Module, what: str, optim=SGD, st
             raise AssertionError(f"{what}: {name} differs from DDP by {(a - b).abs().max().item():.3g}")
 
 
+def train_recording(model: nn.Module, rank: int, optimizer=None, first: int = 0, steps: int = 3, loss_fn=gpt_loss, batch_fn=token_batch):
+    """``steps`` steps of SGD with momentum (``optimizer``, else one built now), every
+    parameter required to get a gradient; returns the losses and the final full parameters."""
+    optimizer = optimizer or optimizers_for(SGD, model)[0]
+    losses = []
+    for step in range(first, first + steps):
+        optimizer.zero_grad()
+        loss = loss_fn(model, batch_fn(rank, step))
+        loss.backward()
+        missing = [n for n, p in model.named_parameters() if p.grad is None]
+        assert not missing, f"no gradient for {missing}"
+        optimizer.step()
+        losses.append(loss.detach())
+    return torch.stack(losses), full_tensors(model.parameters())
+
+
+def assert_same_as_torch(ours, theirs, what: str, exact: bool) -> None:
+    """``ours`` and ``theirs`` (each ``(losses, full parameters)`` of one run, ours and torch's
+    ``fully_shard``) are equal: bit for bit when ``exact``, else to float32 rounding (SGD's
+    ``ATOL``/``RTOL``: where gloo's reduce-scatter adds in another order than ours)."""
+    pairs = [("losses", ours[0], theirs[0])] + [("parameters", x, y) for x, y in zip(ours[1], theirs[1])]
+    for name, a, b in pairs:
+        if exact:
+            assert torch.equal(a, b), f"{what}: {name} differ from torch's by {(a - b).abs().max():.3g}"
+        else:
+            torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=lambda m: f"{what}: {name}: {m}")
+
+
 def train_both(pairs, rank: int, steps: int = STEPS, first: int = 0, loss_fn=gpt_loss, batch_fn=token_batch) -> None:
     """``steps`` steps of each ``(model, optimizer)`` in ``pairs`` on the same batches."""
     for step in range(first, first + steps):

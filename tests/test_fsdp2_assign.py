@@ -22,11 +22,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
-from tests._fsdp_reference import SGD, full_tensors, optimizers_for, shard_gpt
+from tests._fsdp_reference import SGD, assert_same_as_torch, optimizers_for, train_recording
 from tests._harness import run_on_ranks
 from tests._models import gpt, gpt_loss, token_batch
 
-STEPS = 3
 
 
 def _sharded_gpt(shard, meta: bool) -> nn.Module:
@@ -46,27 +45,6 @@ def _as_shards(model: nn.Module, full: dict[str, torch.Tensor]) -> dict[str, DTe
     return {k: distribute_tensor(v, held[k].device_mesh, held[k].placements) for k, v in full.items()}
 
 
-def _train(model: nn.Module, rank: int, optimizer=None, first: int = 0):
-    """SGD with momentum (built now unless given); the losses and the final full parameters."""
-    optimizer = optimizer or optimizers_for(SGD, model)[0]
-    losses = []
-    for step in range(first, first + STEPS):
-        optimizer.zero_grad()
-        loss = gpt_loss(model, token_batch(rank, step))
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.detach())
-    return torch.stack(losses), full_tensors(model.parameters())
-
-
-def _assert_same(ours, theirs, what: str, exact: bool) -> None:
-    for name, a, b in (("losses", ours[0], theirs[0]), *(("parameters", x, y) for x, y in zip(ours[1], theirs[1]))):
-        if exact:
-            assert torch.equal(a, b), f"{what}: {name} differ from torch's by {(a - b).abs().max():.3g}"
-        else:
-            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=lambda m: f"{what}: {name}: {m}")
-
-
 def _load_assigned(shard, meta: bool, loaded: dict[str, torch.Tensor]):
     """Shard, load ``loaded`` with assign=True; the model and the objects it now holds."""
     model = _sharded_gpt(shard, meta)
@@ -84,10 +62,10 @@ def _assign_cases(rank, world):
     loaded = gpt(seed=0).state_dict()
     for meta in (False, True):
         what = f"load_state_dict(assign=True){' on the meta device' if meta else ''}, optimizer after"
-        theirs = _train(_load_assigned(torch_fully_shard, meta, loaded)[0], rank)
+        theirs = train_recording(_load_assigned(torch_fully_shard, meta, loaded)[0], rank)
         model, assigned = _load_assigned(fully_shard, meta, loaded)
-        ours = _train(model, rank)
-        _assert_same(ours, theirs, what, exact)
+        ours = train_recording(model, rank)
+        assert_same_as_torch(ours, theirs, what, exact)
         held = dict(model.named_parameters())
         assert all(held[n] is p and p.grad is not None for n, p in assigned.items()), f"{what}: not adopted"
 
@@ -105,8 +83,8 @@ def _assign_cases(rank, world):
     for shard in (torch_fully_shard, fully_shard):
         model = _sharded_gpt(shard, meta=True)
         set_model_state_dict(model, dict(loaded), options=options)  # it replaces the values it loads
-        runs.append(_train(model, rank))
-    _assert_same(runs[1], runs[0], "DCP set_model_state_dict(full_state_dict=True) on the meta device", exact)
+        runs.append(train_recording(model, rank))
+    assert_same_as_torch(runs[1], runs[0], "DCP set_model_state_dict(full_state_dict=True) on the meta device", exact)
 
     # a parameter replaced after training started: by assignment (ours) and by a load (torch,
     # which adopts only what a load assigns once it has run)
@@ -114,7 +92,7 @@ def _assign_cases(rank, world):
     for shard in (torch_fully_shard, fully_shard):
         model = _sharded_gpt(shard, meta=False)
         optimizer = optimizers_for(SGD, model)[0]
-        _train(model, rank, optimizer)
+        train_recording(model, rank, optimizer)
         fresh = {"blocks.1.qkv.weight": loaded["blocks.1.qkv.weight"]}
         replacement = nn.Parameter(_as_shards(model, fresh)["blocks.1.qkv.weight"])
         if shard is fully_shard:
@@ -122,9 +100,9 @@ def _assign_cases(rank, world):
         else:
             model.load_state_dict({"blocks.1.qkv.weight": replacement}, strict=False, assign=True)
         optimizer = optimizers_for(SGD, model)[0]
-        runs.append(_train(model, rank, optimizer, first=STEPS))
+        runs.append(train_recording(model, rank, optimizer, first=3))
         assert model.blocks[1].qkv.weight is replacement and replacement.grad is not None
-    _assert_same(runs[1], runs[0], "a parameter assigned after training started", exact)
+    assert_same_as_torch(runs[1], runs[0], "a parameter assigned after training started", exact)
 
     _check_refused_replacements(rank)
 

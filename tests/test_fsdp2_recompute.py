@@ -20,11 +20,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from examples.gpt import GPT, Block
-from tests._fsdp_reference import SGD, full_tensors, optimizers_for
+from tests._fsdp_reference import assert_same_as_torch, train_recording
 from tests._harness import run_on_ranks
-from tests._models import gpt_loss, token_batch
 
-STEPS = 3
 
 
 class RecomputedGPT(GPT):
@@ -94,29 +92,6 @@ def _shard(model: nn.Module, shard, prefetch: bool = False, **kwargs) -> nn.Modu
     return model
 
 
-def _train(model: nn.Module, rank: int, loss_fn=gpt_loss, batch_fn=token_batch):
-    """SGD with momentum; returns the losses and the final full parameters."""
-    (optimizer,) = optimizers_for(SGD, model)
-    losses = []
-    for step in range(STEPS):
-        optimizer.zero_grad()
-        loss = loss_fn(model, batch_fn(rank, step))
-        loss.backward()
-        missing = [n for n, p in model.named_parameters() if p.grad is None]
-        assert not missing, f"no gradient for {missing}"
-        optimizer.step()
-        losses.append(loss.detach())
-    return torch.stack(losses), full_tensors(model.parameters())
-
-
-def _assert_same(ours, theirs, what: str, exact: bool) -> None:
-    for name, a, b in (("losses", ours[0], theirs[0]), *(("parameters", x, y) for x, y in zip(ours[1], theirs[1]))):
-        if exact:
-            assert torch.equal(a, b), f"{what}: {name} differ from torch's by {(a - b).abs().max():.3g}"
-        else:
-            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=lambda m: f"{what}: {name}: {m}")
-
-
 def _wrapped_blocks(how: str) -> nn.Module:
     """The plain GPT with its blocks checkpointed by torch's wrappers, applied before sharding
     as torchtitan and Lightning do: ``checkpoint_wrapper`` (reentrant or not; the block becomes
@@ -152,31 +127,31 @@ def _recompute_cases(rank, world):
         ("non-reentrant, a block recomputed twice", dict(reentrant=False, shared=True), {}),
     ]
     for what, model_args, shard_args in cases:
-        theirs = _train(_shard(RecomputedGPT(**model_args), torch_fully_shard, **shard_args), rank)
-        ours = _train(_shard(RecomputedGPT(**model_args), fully_shard, **shard_args), rank)
-        _assert_same(ours, theirs, what, exact)
+        theirs = train_recording(_shard(RecomputedGPT(**model_args), torch_fully_shard, **shard_args), rank)
+        ours = train_recording(_shard(RecomputedGPT(**model_args), fully_shard, **shard_args), rank)
+        assert_same_as_torch(ours, theirs, what, exact)
 
     # torch's fully_shard loses a use's gradient here (its parameters 4e-3 off the unsharded
     # model's at world 1 after 3 steps): against torch's without checkpointing, the same math.
     # Each recompute's backward sends its own gradient, so the two uses are added after their
     # reductions, not before: bit for bit at world 1, float32 rounding apart above.
-    theirs = _train(_shard(RecomputedGPT(reentrant=True, around="nothing", shared=True), torch_fully_shard), rank)
-    ours = _train(_shard(RecomputedGPT(reentrant=True, shared=True), fully_shard), rank)
-    _assert_same(ours, theirs, "reentrant, a block recomputed twice", exact=world == 1)
+    theirs = train_recording(_shard(RecomputedGPT(reentrant=True, around="nothing", shared=True), torch_fully_shard), rank)
+    ours = train_recording(_shard(RecomputedGPT(reentrant=True, shared=True), fully_shard), rank)
+    assert_same_as_torch(ours, theirs, "reentrant, a block recomputed twice", exact=world == 1)
 
     for how in ("reentrant", "non-reentrant", "composable"):
-        theirs = _train(_shard(_wrapped_blocks(how), torch_fully_shard), rank)
-        ours = _train(_shard(_wrapped_blocks(how), fully_shard), rank)
-        _assert_same(ours, theirs, f"{how} checkpoint wrapper per block", exact)
+        theirs = train_recording(_shard(_wrapped_blocks(how), torch_fully_shard), rank)
+        ours = train_recording(_shard(_wrapped_blocks(how), fully_shard), rank)
+        assert_same_as_torch(ours, theirs, f"{how} checkpoint wrapper per block", exact)
 
-    theirs = _train(_shard(CheckpointedRoot(), torch_fully_shard), rank, _root_loss, _root_batch)
-    ours = _train(_shard(CheckpointedRoot(), fully_shard), rank, _root_loss, _root_batch)
-    _assert_same(ours, theirs, "reentrant around the root", exact)
+    theirs = train_recording(_shard(CheckpointedRoot(), torch_fully_shard), rank, loss_fn=_root_loss, batch_fn=_root_batch)
+    ours = train_recording(_shard(CheckpointedRoot(), fully_shard), rank, loss_fn=_root_loss, batch_fn=_root_batch)
+    assert_same_as_torch(ours, theirs, "reentrant around the root", exact)
 
     # the FSDP1-shaped wrapper, each block a unit (auto-wrapped), Megatron's full recompute
-    theirs = _train(_shard(RecomputedGPT(reentrant=True), torch_fully_shard), rank)
+    theirs = train_recording(_shard(RecomputedGPT(reentrant=True), torch_fully_shard), rank)
     wrapped = FullyShardedDataParallel(RecomputedGPT(reentrant=True), auto_wrap_policy={Block})
-    _assert_same(_train(wrapped, rank), theirs, "FullyShardedDataParallel, reentrant per block", exact)
+    assert_same_as_torch(train_recording(wrapped, rank), theirs, "FullyShardedDataParallel, reentrant per block", exact)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
