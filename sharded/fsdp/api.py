@@ -22,7 +22,7 @@ from ._arguments import as_our_policies, resolve_reshard_after_forward, shard_di
 from ._collect import check_not_sharded, collect_unit_params
 from ._extension import has_gather_extension
 from .._errors import on_rank
-from ._fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method, run_pre_forward
+from ._fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method, run_pre_forward, state_of
 from ._hooks import install_forward_hooks
 from ._layout import layout_for, local_tensor_of
 from ._mesh import MeshInfo, resolve_mesh
@@ -142,6 +142,9 @@ def fully_shard(
         m.__class__ = _with_fsdp_methods(cast(type, type(m)))
     install_optimizer_guard()
     return module
+
+
+fully_shard.state = state_of  # type: ignore[attr-defined]  # torch's fully_shard has it too
 
 
 def _spmd_mesh(process_group: Any, mesh: Optional[DeviceMesh], dp_mesh_dims: Any, reshard_after_forward: Any) -> MeshInfo:
