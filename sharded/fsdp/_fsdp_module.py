@@ -96,6 +96,10 @@ def state_of(module: nn.Module) -> Optional[_StateView]:
     return _STATE_VIEWS[unit]
 
 
+class DeepcopyRefused(AssertionError):
+    """``copy.deepcopy`` of a sharded module (torch raises ``AssertionError`` too)."""
+
+
 def _unsupported(member: str, why: str) -> NotImplementedError:
     return NotImplementedError(on_rank(f"FSDPModule.{member} is not supported by sharded.fully_shard: {why}"))
 
@@ -124,6 +128,13 @@ class FSDPModule(TorchFSDPModule):
 
     def _get_fsdp_state(self) -> Any:  # torch's helpers (register_fsdp_forward_method) call it
         return state_of(self)  # type: ignore[arg-type]
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        raise DeepcopyRefused(on_rank(
+            f"FSDP does not support deepcopy of {self._fsdp_unit().module_name or type(self).__name__}: "
+            "its parameters are shards bound to this process group. Copy the state_dict() instead (or "
+            "deepcopy the model before fully_shard)"
+        ))
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         """``module.to(...)`` and friends: reshard first (the module then holds its shards),

@@ -183,6 +183,13 @@ def _modules_of(module: Any) -> list[nn.Module]:
         raise TypeError(on_rank(f"fully_shard takes an nn.Module or a list of them, got {what}"))
     if len({id(m) for m in modules}) != len(modules):
         raise ValueError(on_rank("fully_shard got the same module twice in its list"))
+    for m in modules:  # as torch: a forward pre-hook on a container nobody calls would never run
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
+            raise ValueError(on_rank(
+                f"fully_shard does not support containers that do not implement forward: {type(m).__name__} "
+                "has no forward, so its unit would never gather; apply fully_shard to the modules inside it, "
+                "or to the module whose forward calls them"
+            ))
     return modules
 
 
