@@ -116,7 +116,7 @@ def _check_refusals_match_torch(rank, world):
 
     once = fully_shard(nn.Linear(2, 2))
     for error in (AssertionError, ValueError):  # torch's type, and ours before it
-        with _raises(error, "can only be applied to a module once", "already applied", "Linear"):
+        with _raises(error, r"Each distinct composable distributed API can only be applied to a module once\.", "already applied", "Linear"):
             fully_shard(once)
     with _raises(AssertionError, "does not support deepcopy", "state_dict"):
         copy.deepcopy(once)
