@@ -68,7 +68,9 @@ def fully_shard(
 
     The module becomes an instance of :class:`FSDPModule`, a subclass of torch's
     ``torch.distributed.fsdp.FSDPModule`` (``unshard``, ``reshard``, ``set_requires_gradient_sync``,
-    ``set_gradient_divide_factor``, prefetch settings..., and ``no_sync``).
+    ``set_gradient_divide_factor``, prefetch settings..., and ``no_sync``). As with torch's,
+    ``fully_shard.state(module)`` gives the state of the call applied to ``module`` (``None`` if
+    none was), and ``nn.ModuleList`` / ``nn.ModuleDict`` without a ``forward`` are refused.
 
     Args:
         module: the module, or a list of modules for one unit (their submodules' own
