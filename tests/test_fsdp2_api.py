@@ -308,3 +308,51 @@ def _members(rank, world):
 
 def test_fsdp_module_members_behave_as_torch_documents():
     run_on_ranks(_members, 2)
+
+
+def _state_and_unshard_order(rank, world):
+    from sharded import fully_shard
+    from sharded.fsdp._unit import Unit
+
+    # fully_shard.state(module): one state per fully_shard call, the same object each time
+    model = gpt()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard([model.tok, model.pos])
+    fully_shard(model)
+    states = [fully_shard.state(m) for m in (model, *model.blocks, model.tok)]
+    assert all(s is not None for s in states) and len({id(s) for s in states}) == len(states)
+    assert fully_shard.state(model) is states[0] is model._get_fsdp_state()
+    assert fully_shard.state(model.pos) is fully_shard.state(model.tok), "a list unit has one state"
+    assert fully_shard.state(model.blocks[0].mlp) is None and fully_shard.state(nn.Linear(2, 2)) is None
+
+    # _set_unshard_async_op: False waits for a unit's all-gather before its prefetch is issued
+    events = []
+    start, wait = Unit._start_gather, Unit.wait_for_unshard
+
+    def logged_start(unit):
+        events.append(("start", unit.module_name))
+        start(unit)
+
+    def logged_wait(unit):
+        if unit.shard_state.name == "GATHERING":
+            events.append(("wait", unit.module_name))
+        wait(unit)
+
+    Unit._start_gather, Unit.wait_for_unshard = logged_start, logged_wait
+    try:
+        model.blocks[0].set_modules_to_forward_prefetch([model.blocks[1]])
+        outputs = []
+        for async_op in (True, False):
+            model._set_unshard_async_op(async_op)
+            events.clear()
+            outputs.append(model(token_batch(rank, 0)[:, :-1]))
+            order = events.index(("wait", "blocks.0")) < events.index(("start", "blocks.1"))
+            assert order is (not async_op), (async_op, events)
+    finally:
+        Unit._start_gather, Unit.wait_for_unshard = start, wait
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=0)
+
+
+def test_fully_shard_state_and_unshard_async_op():
+    run_on_ranks(_state_and_unshard_order, 2)

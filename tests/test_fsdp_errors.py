@@ -91,3 +91,42 @@ def _check_different_models(rank, world):
 
 def test_ranks_with_different_models_fail_before_any_collective_can_hang():
     run_on_ranks(_check_different_models, 2)
+
+
+def _check_refusals_match_torch(rank, world):
+    """Where torch's fully_shard refuses, ours refuses with the exception type torch raises (so
+    code catching torch's type catches ours) and torch's wording inside our own."""
+    import copy
+
+    from tests._fsdp_reference import TiedGPT
+
+    for container in (nn.ModuleList([nn.Linear(2, 2)]), nn.ModuleDict({"a": nn.Linear(2, 2)})):
+        with _raises(ValueError, "does not support containers that do not implement forward", type(container).__name__):
+            fully_shard(container)
+        with _raises(ValueError, "does not support containers"):
+            fully_shard([nn.Linear(2, 2), container])
+
+    class Stack(nn.ModuleList):  # a container that does define forward is fine
+        def forward(self, x):
+            for layer in self:
+                x = layer(x)
+            return x
+
+    fully_shard(Stack([nn.Linear(2, 2)]))
+
+    once = fully_shard(nn.Linear(2, 2))
+    for error in (AssertionError, ValueError):  # torch's type, and ours before it
+        with _raises(error, r"Each distinct composable distributed API can only be applied to a module once\.", "already applied", "Linear"):
+            fully_shard(once)
+    with _raises(AssertionError, "does not support deepcopy", "state_dict"):
+        copy.deepcopy(once)
+
+    tied = TiedGPT()
+    fully_shard(tied.head)
+    with _raises(ValueError, "tok.weight", "already managed by another", "common ancestor"):
+        fully_shard(tied)
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_refusals_raise_torchs_exception_types(world_size):
+    run_on_ranks(_check_refusals_match_torch, world_size)

@@ -12,7 +12,7 @@ from .._errors import on_rank
 from ._registry import replaced_as, unit_owning
 from ._unit import unit_of
 
-__all__ = ["UnitParam", "collect_unit_params", "check_not_sharded", "modules_outside_units"]
+__all__ = ["UnitParam", "AlreadySharded", "collect_unit_params", "check_not_sharded", "modules_outside_units"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -20,10 +20,19 @@ SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 UnitParam = tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]
 
 
+class AlreadySharded(ValueError, AssertionError):
+    """``fully_shard`` applied to a module twice. A ``ValueError`` (bad input), and an
+    ``AssertionError`` as torch raises for it, so code catching either catches ours."""
+
+
 def check_not_sharded(module: nn.Module) -> None:
     unit = unit_of(module)
     if unit is not None:
-        raise ValueError(on_rank(f"fully_shard was already applied to this module (fully_shard({unit.module_name})); call it once per module"))
+        raise AlreadySharded(on_rank(
+            f"fully_shard was already applied to this module (fully_shard({unit.module_name or type(module).__name__})). "
+            "Each distinct composable distributed API can only be applied to a module once. Call fully_shard once "
+            "per module"
+        ))
 
 
 def collect_unit_params(modules: list[nn.Module], ignored: set[int]) -> list[UnitParam]:
@@ -70,7 +79,8 @@ def _check_can_take(param: nn.Parameter, name: str, where: str) -> None:
     replacement = replaced_as(param)
     if replacement is not None:
         raise ValueError(on_rank(
-            f"fully_shard({where}): parameter {name} is shared with {replacement}, which sharded it already. "
+            f"fully_shard({where}): parameter {name} is shared with {replacement}, which sharded it already "
+            "(it is already managed by another unit). "
             "A shared (tied) parameter must belong to one unit: call fully_shard on a module holding every "
             "use of it (their common ancestor), not on the submodule alone"
         ))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -22,16 +23,28 @@ from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
 
 from .._errors import on_rank
 from ._root import Root
-from ._unit import Unit, unit_of, units_under
+from ._unit import TrainingState, Unit, unit_of, units_under
 
-__all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "run_pre_forward"]
+__all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "run_pre_forward", "state_of"]
+
+# units told ``_set_unshard_async_op(False)``: their forward's all-gather is waited for before
+# any prefetch is issued (by default a unit issues its all-gather, then the prefetches, then waits)
+_WAITS_BEFORE_PREFETCH: "weakref.WeakKeyDictionary[Unit, bool]" = weakref.WeakKeyDictionary()
 
 
 def run_pre_forward(unit: Unit, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
     """A unit's forward pre-hook: the first unit to run becomes the root, then it gathers."""
     if unit.root is None:
         Root.claim(unit)
+    if _WAITS_BEFORE_PREFETCH.get(unit) and _entering_forward(unit):
+        if unit.root is not None and unit.root.unit is unit:
+            unit.root.begin_forward()  # orders the gather after a post-optimizer event first
+        unit.unshard(async_op=False)  # pre_forward then finds it gathered and only prefetches
     return unit.pre_forward(module, args, kwargs)
+
+
+def _entering_forward(unit: Unit) -> bool:
+    return unit.training_state is not TrainingState.FORWARD and not unit.running_root.in_backward
 
 
 class UnshardHandle(TorchUnshardHandle):
@@ -48,9 +61,10 @@ class UnshardHandle(TorchUnshardHandle):
 
 
 class _StateView:
-    """What ``FSDPModule._get_fsdp_state()`` returns: enough of torch's ``FSDPState`` for torch's
-    own ``register_fsdp_forward_method`` to work on our modules; any other attribute is torch
-    internals we do not have, and says so."""
+    """What ``FSDPModule._get_fsdp_state()`` and ``fully_shard.state(module)`` return: one per
+    ``fully_shard`` call (a list unit's modules share it, as in torch); enough of torch's
+    ``FSDPState`` for torch's own ``register_fsdp_forward_method`` to work on our modules; any
+    other attribute is torch internals we do not have, and says so."""
 
     def __init__(self, module: nn.Module, unit: Unit) -> None:
         self._module, self._unit = module, unit
@@ -66,6 +80,24 @@ class _StateView:
             f"torch FSDP internals asked a sharded.fully_shard module for FSDPState.{name}; sharded's "
             "units keep their state in sharded.fsdp, not in torch's FSDPState"
         ))
+
+
+_STATE_VIEWS: "weakref.WeakKeyDictionary[Unit, _StateView]" = weakref.WeakKeyDictionary()
+
+
+def state_of(module: nn.Module) -> Optional[_StateView]:
+    """``fully_shard.state(module)``: the state of the ``fully_shard`` call applied to ``module``
+    (the same object every time), or ``None`` if none was, as torch's returns its ``FSDPState``."""
+    unit = unit_of(module)
+    if unit is None:
+        return None
+    if unit not in _STATE_VIEWS:
+        _STATE_VIEWS[unit] = _StateView(unit.modules[0], unit)
+    return _STATE_VIEWS[unit]
+
+
+class DeepcopyRefused(AssertionError):
+    """``copy.deepcopy`` of a sharded module (torch raises ``AssertionError`` too)."""
 
 
 def _unsupported(member: str, why: str) -> NotImplementedError:
@@ -95,7 +127,14 @@ class FSDPModule(TorchFSDPModule):
         return units_under(self) if recurse else [self._fsdp_unit()]  # type: ignore[arg-type]
 
     def _get_fsdp_state(self) -> Any:  # torch's helpers (register_fsdp_forward_method) call it
-        return _StateView(self, self._fsdp_unit())  # type: ignore[arg-type]
+        return state_of(self)  # type: ignore[arg-type]
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        raise DeepcopyRefused(on_rank(
+            f"FSDP does not support deepcopy of {self._fsdp_unit().module_name or type(self).__name__}: "
+            "its parameters are shards bound to this process group. Copy the state_dict() instead (or "
+            "deepcopy the model before fully_shard)"
+        ))
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         """``module.to(...)`` and friends: reshard first (the module then holds its shards),
@@ -104,8 +143,15 @@ class FSDPModule(TorchFSDPModule):
         return super(TorchFSDPModule, self)._apply(*args, **kwargs)  # type: ignore[misc]
 
     def _set_unshard_async_op(self, async_op: bool) -> None:
-        raise _unsupported("_set_unshard_async_op", "a unit's forward always starts its all-gather "
-                           "asynchronously and waits for it before computing")
+        """For this module's units and those below: ``True`` (sharded's default) issues a unit's
+        forward all-gather asynchronously, then its prefetches, and waits before the forward
+        computes; ``False`` waits for the all-gather before issuing any prefetch, as torch's
+        default does. The numbers are the same; only the overlap differs."""
+        for unit in self._fsdp_units(recurse=True):
+            if async_op:
+                _WAITS_BEFORE_PREFETCH.pop(unit, None)
+            else:
+                _WAITS_BEFORE_PREFETCH[unit] = True
 
     # ---------------------------------------------------------- gather and free
 

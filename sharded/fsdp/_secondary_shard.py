@@ -24,7 +24,9 @@ from ._mesh import MeshInfo
 
 __all__ = ["SecondaryShard", "secondary_shard_for"]
 
-_GROUPS: dict[tuple[tuple[int, ...], ...], list[dist.ProcessGroup]] = {}
+# per world (its default group: a world created after destroy_process_group, or each thread's
+# world under a threaded process group, needs groups of its own), then per rank layout
+_GROUPS: dict[tuple[dist.ProcessGroup, tuple[tuple[int, ...], ...]], list[dist.ProcessGroup]] = {}
 
 
 @dataclass(frozen=True)
@@ -51,8 +53,9 @@ def secondary_shard_for(info: MeshInfo, world: int) -> SecondaryShard:
             f"fully_shard(reshard_after_forward={world}): the mesh's ranks are not in increasing order along its "
             "shard dim, which sharded's secondary shard groups need"
         ))
-    if rows not in _GROUPS:
-        _GROUPS[rows] = [dist.new_group(list(row)) for row in rows]
+    key = (dist.distributed_c10d._get_default_group(), rows)
+    if key not in _GROUPS:
+        _GROUPS[key] = [dist.new_group(list(row)) for row in rows]
     me = dist.get_rank()
     index = next(i for i, row in enumerate(rows) if me in row)
-    return SecondaryShard(_GROUPS[rows][index], world, rows[index].index(me))
+    return SecondaryShard(_GROUPS[key][index], world, rows[index].index(me))

@@ -22,7 +22,7 @@ from ._arguments import as_our_policies, resolve_reshard_after_forward, shard_di
 from ._collect import check_not_sharded, collect_unit_params
 from ._extension import has_gather_extension
 from .._errors import on_rank
-from ._fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method, run_pre_forward
+from ._fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method, run_pre_forward, state_of
 from ._hooks import install_forward_hooks, install_state_dict_hooks
 from ._layout import layout_for, local_tensor_of
 from ._mesh import MeshInfo, resolve_mesh
@@ -68,7 +68,9 @@ def fully_shard(
 
     The module becomes an instance of :class:`FSDPModule`, a subclass of torch's
     ``torch.distributed.fsdp.FSDPModule`` (``unshard``, ``reshard``, ``set_requires_gradient_sync``,
-    ``set_gradient_divide_factor``, prefetch settings..., and ``no_sync``).
+    ``set_gradient_divide_factor``, prefetch settings..., and ``no_sync``). As with torch's,
+    ``fully_shard.state(module)`` gives the state of the call applied to ``module`` (``None`` if
+    none was), and ``nn.ModuleList`` / ``nn.ModuleDict`` without a ``forward`` are refused.
 
     Args:
         module: the module, or a list of modules for one unit (their submodules' own
@@ -145,6 +147,9 @@ def fully_shard(
     return module
 
 
+fully_shard.state = state_of  # type: ignore[attr-defined]  # torch's fully_shard has it too
+
+
 def _spmd_mesh(process_group: Any, mesh: Optional[DeviceMesh], dp_mesh_dims: Any, reshard_after_forward: Any) -> MeshInfo:
     if process_group is not None:
         raise ValueError(on_rank("fully_shard(dp_mesh_dims=...) takes the SPMD mesh as mesh=, not process_group="))
@@ -181,6 +186,13 @@ def _modules_of(module: Any) -> list[nn.Module]:
         raise TypeError(on_rank(f"fully_shard takes an nn.Module or a list of them, got {what}"))
     if len({id(m) for m in modules}) != len(modules):
         raise ValueError(on_rank("fully_shard got the same module twice in its list"))
+    for m in modules:  # as torch: a forward pre-hook on a container nobody calls would never run
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
+            raise ValueError(on_rank(
+                f"fully_shard does not support containers that do not implement forward: {type(m).__name__} "
+                "has no forward, so its unit would never gather; apply fully_shard to the modules inside it, "
+                "or to the module whose forward calls them"
+            ))
     return modules
 
 
