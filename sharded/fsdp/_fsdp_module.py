@@ -23,28 +23,15 @@ from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
 
 from .._errors import on_rank
 from ._root import Root
-from ._unit import TrainingState, Unit, unit_of, units_under
+from ._unit import Unit, unit_of, units_under
 
 __all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "run_pre_forward", "state_of"]
-
-# units told ``_set_unshard_async_op(False)``: their forward's all-gather is waited for before
-# any prefetch is issued (by default a unit issues its all-gather, then the prefetches, then waits)
-_WAITS_BEFORE_PREFETCH: "weakref.WeakKeyDictionary[Unit, bool]" = weakref.WeakKeyDictionary()
-
 
 def run_pre_forward(unit: Unit, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
     """A unit's forward pre-hook: the first unit to run becomes the root, then it gathers."""
     if unit.root is None:
         Root.claim(unit)
-    if _WAITS_BEFORE_PREFETCH.get(unit) and _entering_forward(unit):
-        if unit.root is not None and unit.root.unit is unit:
-            unit.root.begin_forward()  # orders the gather after a post-optimizer event first
-        unit.unshard(async_op=False)  # pre_forward then finds it gathered and only prefetches
     return unit.pre_forward(module, args, kwargs)
-
-
-def _entering_forward(unit: Unit) -> bool:
-    return unit.training_state is not TrainingState.FORWARD and not unit.running_root.in_backward
 
 
 class UnshardHandle(TorchUnshardHandle):
@@ -148,10 +135,7 @@ class FSDPModule(TorchFSDPModule):
         computes; ``False`` waits for the all-gather before issuing any prefetch, as torch's
         default does. The numbers are the same; only the overlap differs."""
         for unit in self._fsdp_units(recurse=True):
-            if async_op:
-                _WAITS_BEFORE_PREFETCH.pop(unit, None)
-            else:
-                _WAITS_BEFORE_PREFETCH[unit] = True
+            unit.unshard_async_op = bool(async_op)
 
     # ---------------------------------------------------------- gather and free
 

@@ -155,6 +155,7 @@ class Unit:
         self.requires_gradient_sync = True
         self.requires_all_reduce = True
         self.unshard_in_backward = True
+        self.unshard_async_op = True  # False: the forward's all-gather lands before prefetches start
         self.gradient_divide_factor: Optional[float] = None
         self.force_sum_reduction = False
         self.reduce_scatter_unused_params = False
@@ -362,7 +363,7 @@ class Unit:
         if root.unit is self:
             root.begin_forward()
         root.record_forward(self)
-        self.unshard(async_op=True)
+        self.unshard(async_op=self.unshard_async_op)
         root.prefetch_forward(self)
         self.wait_for_unshard()
 
