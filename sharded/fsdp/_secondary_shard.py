@@ -19,12 +19,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .. import _comm
 from .._errors import on_rank
 from ._mesh import MeshInfo
 
 __all__ = ["SecondaryShard", "secondary_shard_for"]
 
-_GROUPS: dict[tuple[tuple[int, ...], ...], list[dist.ProcessGroup]] = {}
+_GROUPS: dict[tuple[tuple[int, ...], ...], dist.ProcessGroup] = {}  # this rank's group, by the groups' rows
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ def secondary_shard_for(info: MeshInfo, world: int) -> SecondaryShard:
             "shard dim, which sharded's secondary shard groups need"
         ))
     if rows not in _GROUPS:
-        _GROUPS[rows] = [dist.new_group(list(row)) for row in rows]
+        _GROUPS[rows] = _comm.new_group_of_this_rank(rows)
     me = dist.get_rank()
-    index = next(i for i, row in enumerate(rows) if me in row)
-    return SecondaryShard(_GROUPS[rows][index], world, rows[index].index(me))
+    row = next(row for row in rows if me in row)
+    return SecondaryShard(_GROUPS[rows], world, row.index(me))
