@@ -275,9 +275,9 @@ def warm_up(stage: str, lr: float) -> None:
     ZeRO-3's first backward; each one's stack is an 8 MiB private writable mapping (glibc's
     default, ``ulimit -s``) and its malloc arena starts with 132 KiB, which ``RLIMIT_DATA``
     counts: 68 MiB in all, and with the limit set before them ZeRO-3 ran out of a 115 MiB budget
-    holding 49 MiB of data. The CPU build (2.13.0+cpu) starts none: its step maps 2 MiB. After
-    this step the budget is what the run's model, gradients, optimizer state and activations
-    need, on either build. The step's tensors are freed (``MALLOC_MMAP_THRESHOLD_`` gives them
+    holding 49 MiB of data. The CPU build (2.13.0+cpu) starts none: its step maps 3 MiB at
+    most. After this step the budget is what the run's model, gradients, optimizer state and
+    activations need, on either build. The step's tensors are freed (``MALLOC_MMAP_THRESHOLD_`` gives them
     back), and the run's model is built afterwards from its own seed.
     """
     from train_gpt import build
