@@ -7,11 +7,18 @@ BIN := $(VENV)/bin
 
 .PHONY: test demo bench clean
 
-$(VENV)/.installed: setup.cfg setup.py
+.PHONY: FORCE
+# The torch spec the venv was built with, rewritten only when TORCH_SPEC differs from it, so that
+# `make test TORCH_SPEC=torch==2.14.1` after a build with another spec installs that torch.
+$(VENV)/.torch-spec: FORCE
+	@mkdir -p $(VENV)
+	@echo '$(TORCH_SPEC)' | cmp -s - $@ || echo '$(TORCH_SPEC)' > $@
+
+# torch goes in with the package, in one command, so the resolver cannot swap it for another.
+$(VENV)/.installed: setup.cfg setup.py $(VENV)/.torch-spec
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet -e '.[test,demo,lightning]'
+	$(BIN)/pip install --quiet "$(TORCH_SPEC)" -e '.[test,demo,lightning]'
 	touch $@
 
 test: $(VENV)/.installed

@@ -15,7 +15,13 @@ How the budget is enforced: each rank lowers its own ``RLIMIT_DATA`` (``resource
 no privilege needed) just before it builds the model, to the data it has mapped at that
 moment plus the budget. ``RLIMIT_DATA`` counts private writable mappings (Linux 4.7 and
 later): the heap and anonymous mmaps, which is where tensors live, so an allocation past the
-budget fails with ``ENOMEM`` and torch raises "can't allocate memory". ``RLIMIT_AS`` would
+budget fails with ``ENOMEM`` and torch raises "can't allocate memory". It also counts what
+torch maps once per process, whatever the model: libraries' writable data (830 MiB after
+import on the CUDA build 2.14.1+cu130, 269 MiB on the CPU build 2.13.0+cpu) and the stacks of
+threads torch starts on first use (on the CUDA build, eight autograd threads at ZeRO-3's first
+backward: 68 MiB). So before setting the limit each rank runs one step of a tiny model built
+the same way (:func:`warm_up`): the budget is then what the run's own data needs, on either
+build. ``RLIMIT_AS`` would
 count the whole address space, and torch's process reserves far more than it uses (libraries,
 each thread's stack, glibc's 64 MiB per-thread malloc arenas reserved ``PROT_NONE``): 600 MiB
 of address space already at start for 200 MiB of data, and more with every gloo or OpenMP
@@ -191,7 +197,9 @@ def report(args, estimates: dict[int, int], runs: dict) -> None:
         label = f"{name} {'budget' if limited else 'unlimited'}"
         print(f"{label:<22}{estimates[STAGE_NUMBER[stage]] / 2**20:>12.0f} MiB{measured:>34}  {outcome}")
         rows.append((label, estimates[STAGE_NUMBER[stage]], peak, outcome))
-    print(f"budget: {args.budget / 2**20:.0f} MiB per rank (RLIMIT_DATA over what each rank had mapped before building the model)")
+    warmed = max(r.get("warm_up", 0) for results in runs.values() for r in results)
+    print(f"budget: {args.budget / 2**20:.0f} MiB per rank (RLIMIT_DATA over what each rank had mapped after a warm-up "
+          f"step on a tiny model, which mapped up to {warmed / 2**20:.0f} MiB of threads and runtime state)")
     plot_budget(Path(args.out), rows, args.budget)
 
 
@@ -258,6 +266,27 @@ def wait_or_kill(pid: int, timeout: float) -> int:
         time.sleep(0.05)
 
 
+def warm_up(stage: str, lr: float) -> None:
+    """One training step of a tiny GPT built as the run builds its own, so that what torch maps
+    once per process, whatever the model, is mapped before the budget is set on top of it.
+
+    What a build maps on first use differs. Torch's CUDA build (2.14.1+cu130, measured on a
+    machine with no GPU) starts eight autograd device threads (``pt_autograd_0`` to ``7``) at
+    ZeRO-3's first backward; each one's stack is an 8 MiB private writable mapping (glibc's
+    default, ``ulimit -s``) and its malloc arena starts with 132 KiB, which ``RLIMIT_DATA``
+    counts: 68 MiB in all, and with the limit set before them ZeRO-3 ran out of a 115 MiB budget
+    holding 49 MiB of data. The CPU build (2.13.0+cpu) starts none: its step maps 3 MiB at
+    most. After this step the budget is what the run's model, gradients, optimizer state and
+    activations need, on either build. The step's tensors are freed (``MALLOC_MMAP_THRESHOLD_`` gives them
+    back), and the run's model is built afterwards from its own seed.
+    """
+    from train_gpt import build
+
+    wrapped, optimizer = build(stage, GPT(VOCAB, 16, 1, 1, 8), SimpleNamespace(lr=lr))
+    next_token_loss(wrapped, torch.zeros(1, 9, dtype=torch.long)).backward()
+    optimizer.step()
+
+
 def run_rank(args, stage: str, limited: bool, name: str) -> int:
     """One rank of one run: train ``--steps`` steps, write the result; on running out of memory,
     report where and exit with ``OOM_EXIT`` without touching the (now unreliable) group again."""
@@ -269,9 +298,11 @@ def run_rank(args, stage: str, limited: bool, name: str) -> int:
     store = dist.FileStore(str(out / f"{name}.store"), args.world_size)
     dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world_size,
                             timeout=datetime.timedelta(seconds=args.timeout / 2))
+    before_warm_up = status_kib()["VmData"] * 1024
+    warm_up(stage, args.lr)
+    mapped = status_kib()["VmData"] * 1024
     peak = DataPeak()
     if limited:
-        mapped = status_kib()["VmData"] * 1024
         resource.setrlimit(resource.RLIMIT_DATA, (mapped + args.budget, resource.getrlimit(resource.RLIMIT_DATA)[1]))
     phase = "building the model"
     result: dict = {}
@@ -301,7 +332,7 @@ def run_rank(args, stage: str, limited: bool, name: str) -> int:
         result = {"status": "oom", "message": (
             f"out of memory during {phase}: {args.budget / 2**20:.0f} MiB per rank is not enough "
             f"(an allocation of {int(wanted.group(1)) / 2**20 if wanted else float('nan'):.1f} MiB failed)")}
-    result["peak"] = peak.rise()
+    result.update(peak=peak.rise(), warm_up=mapped - before_warm_up)
     (out / f"{name}-rank{args.rank}.json").write_text(json.dumps(result))
     if result["status"] != "ok":
         return OOM_EXIT  # a peer may still be in a collective the group cannot finish

@@ -12,10 +12,12 @@ back with ``weights_only=True``: a peer's bytes are data, never code.
 from __future__ import annotations
 
 import io
-from typing import Any, Optional, Protocol
+from typing import Any, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
+
+from ._errors import on_rank
 
 ProcessGroup = Optional[dist.ProcessGroup]
 
@@ -228,6 +230,31 @@ def reduce_scatter_copies_input(group: ProcessGroup) -> bool:
     returns (gloo's list form: tests/test_fsdp_memory.py checks it), so the caller may free the
     input without waiting for the collective."""
     return dist.get_backend(group) == dist.Backend.GLOO
+
+
+def start_reduce(
+    tensor: torch.Tensor, dst: int, group: ProcessGroup, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+) -> dist.Work:
+    """Asynchronous reduce of ``tensor`` onto ``group``'s rank ``dst``; returns the work handle."""
+    work = dist.reduce(tensor, dst=global_rank(group, dst), op=op, group=group, async_op=True)
+    if work is None:  # torch's answer to a rank outside ``group`` (typed ``Work | None`` from 2.14)
+        raise RuntimeError(on_rank("reduce: this rank is not in the process group it reduces over"))
+    return work
+
+
+def new_group_of_this_rank(rows: Sequence[Sequence[int]], **kwargs: Any) -> dist.ProcessGroup:
+    """Create a process group for each row of global ranks and return the one this rank is in.
+
+    ``dist.new_group`` is collective: unless ``use_local_synchronization=True`` every rank
+    creates every group, in the same order, and gets torch's marker
+    ``GroupMember.NON_GROUP_MEMBER`` (an int, typed so from torch 2.14) for the groups it is not in.
+    """
+    me = dist.get_rank()
+    created = [(row, dist.new_group(list(row), **kwargs)) for row in rows]
+    mine = [group for row, group in created if me in row and isinstance(group, dist.ProcessGroup)]
+    if len(mine) != 1:
+        raise ValueError(on_rank(f"new process groups {[list(row) for row in rows]}: this rank must be in exactly one"))
+    return mine[0]
 
 
 def start_all_reduce(

@@ -536,13 +536,7 @@ class GradRouter:
 
     def _send(self, fill: Fill, is_correction: bool) -> None:
         with torch.profiler.record_function("sharded::reduce_bucket"):
-            work = dist.reduce(
-                fill.buffer,
-                dst=_comm.global_rank(self.group, fill.bucket.owner),
-                op=dist.ReduceOp.SUM,
-                group=self.group,
-                async_op=True,
-            )
+            work = _comm.start_reduce(fill.buffer, fill.bucket.owner, self.group)
         self._pass.in_flight.append((fill, work, is_correction))
 
     def _release_sent_buckets(self) -> None:

@@ -19,14 +19,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .. import _comm
 from .._errors import on_rank
 from ._mesh import MeshInfo
 
 __all__ = ["SecondaryShard", "secondary_shard_for"]
 
-# per world (its default group: a world created after destroy_process_group, or each thread's
-# world under a threaded process group, needs groups of its own), then per rank layout
-_GROUPS: dict[tuple[dist.ProcessGroup, tuple[tuple[int, ...], ...]], list[dist.ProcessGroup]] = {}
+# this rank's group, per world (its default group: a world created after destroy_process_group,
+# or each thread's world under a threaded process group, needs groups of its own), then per rows
+_GROUPS: dict[tuple[dist.ProcessGroup, tuple[tuple[int, ...], ...]], dist.ProcessGroup] = {}
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ def secondary_shard_for(info: MeshInfo, world: int) -> SecondaryShard:
         ))
     key = (dist.distributed_c10d._get_default_group(), rows)
     if key not in _GROUPS:
-        _GROUPS[key] = [dist.new_group(list(row)) for row in rows]
+        _GROUPS[key] = _comm.new_group_of_this_rank(rows)
     me = dist.get_rank()
-    index = next(i for i, row in enumerate(rows) if me in row)
-    return SecondaryShard(_GROUPS[key][index], world, rows[index].index(me))
+    row = next(row for row in rows if me in row)
+    return SecondaryShard(_GROUPS[key], world, row.index(me))
