@@ -352,6 +352,26 @@ def _state_and_unshard_order(rank, world):
     finally:
         Unit._start_gather, Unit.wait_for_unshard = start, wait
     torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=0)
+    _check_dropped_model_is_freed(rank)
+
+
+def _check_dropped_model_is_freed(rank):
+    """A sharded model its user drops is freed, with its units and shards: a global map of units
+    kept every model alive (each unit holds its modules)."""
+    import gc
+    import weakref
+
+    from sharded import fully_shard
+
+    model = gpt()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    assert fully_shard.state(model.blocks[0]) is not None
+    dropped = weakref.ref(model)
+    del model
+    gc.collect()
+    assert dropped() is None, "a dropped sharded model stays alive"
 
 
 def test_fully_shard_state_and_unshard_async_op():

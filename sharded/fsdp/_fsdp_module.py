@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-import weakref
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -70,18 +69,17 @@ class _StateView:
         ))
 
 
-_STATE_VIEWS: "weakref.WeakKeyDictionary[Unit, _StateView]" = weakref.WeakKeyDictionary()
-
-
 def state_of(module: nn.Module) -> Optional[_StateView]:
     """``fully_shard.state(module)``: the state of the ``fully_shard`` call applied to ``module``
     (the same object every time), or ``None`` if none was, as torch's returns its ``FSDPState``."""
     unit = unit_of(module)
     if unit is None:
         return None
-    if unit not in _STATE_VIEWS:
-        _STATE_VIEWS[unit] = _StateView(unit.modules[0], unit)
-    return _STATE_VIEWS[unit]
+    first = unit.modules[0]  # kept there, not in a global map, for the reason unit_of gives
+    view = first.__dict__.get("_sharded_fsdp_state")
+    if view is None:
+        view = first.__dict__["_sharded_fsdp_state"] = _StateView(first, unit)
+    return view
 
 
 class DeepcopyRefused(AssertionError):

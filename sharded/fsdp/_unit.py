@@ -10,7 +10,6 @@ execution order, prefetching, the end of backward) belongs to its :class:`~._roo
 from __future__ import annotations
 
 import enum
-import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence, Union, cast
 
@@ -39,7 +38,10 @@ if TYPE_CHECKING:
 
 __all__ = ["ShardState", "TrainingState", "UnitConfig", "StepContext", "ProfilerLabels", "Unit", "unit_of", "units_under"]
 
-_UNITS: "weakref.WeakKeyDictionary[nn.Module, Unit]" = weakref.WeakKeyDictionary()
+# A module keeps the unit fully_shard made over it in its own __dict__: a global map would be
+# kept alive by the unit's references to its modules, so a model dropped by its user, with every
+# shard it holds, would never be freed.
+_UNIT_ATTRIBUTE = "_sharded_fsdp_unit"
 _STREAMS: dict[torch.device, CommStreams] = {}
 
 
@@ -94,7 +96,7 @@ class ProfilerLabels:
 
 def unit_of(module: nn.Module) -> Optional["Unit"]:
     """The unit ``fully_shard(module)`` made, if any."""
-    return _UNITS.get(module)
+    return module.__dict__.get(_UNIT_ATTRIBUTE)
 
 
 def units_under(module: nn.Module) -> list["Unit"]:
@@ -180,7 +182,7 @@ class Unit:
         self._reduce_at_end = False
         self._sync_this_backward = True
         for module in self.modules:
-            _UNITS[module] = self
+            module.__dict__[_UNIT_ATTRIBUTE] = self
 
     def __repr__(self) -> str:
         return f"fully_shard({self.module_name}) on rank {dist.get_rank()}"
