@@ -9,7 +9,7 @@ parameters as torch's, bit for bit at worlds 1 and 2 (float32 rounding at world 
 reduce-scatter adds in another order than ours); with and without the meta device; through DCP;
 an assignment after training started (torch adopts only what a load assigns then: compared with
 torch loading the same tensor). Beyond torch, which trains nothing silently there: an optimizer
-built before the load raises at its step, naming the parameter; a replacement that is not a
+built before the load raises at its step, naming the parameter (and so does a checkpoint of it); a replacement that is not a
 shard laid out as the one it replaces raises at the next forward, naming it.
 """
 
@@ -56,7 +56,7 @@ def _assign_cases(rank, world):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-    from sharded import fully_shard
+    from sharded import checkpoint, fully_shard
 
     exact = world <= 2
     loaded = gpt(seed=0).state_dict()
@@ -76,6 +76,8 @@ def _assign_cases(rank, world):
         gpt_loss(model, token_batch(rank, 0)).backward()
         with pytest.raises(RuntimeError, match=f"rank {rank}.*SGD holds parameter tok.weight.*assign=True"):
             early.step()
+        with pytest.raises(ValueError, match=f"rank {rank}: param group 0, parameter 0 .*assign=True"):
+            checkpoint.get_state_dict(model, early)  # a checkpoint of it says so too, not KeyError
 
     # torch's documented way to load a meta-device model: DCP assigns what it loads
     options = StateDictOptions(full_state_dict=True)

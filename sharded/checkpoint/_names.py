@@ -78,7 +78,9 @@ def optimizer_fqns(optimizer: Optimizer, names: dict[torch.Tensor, str], rank: i
                 raise ValueError(
                     f"rank {rank}: param group {g}, parameter {i} (shape {tuple(param.shape)}) of "
                     f"the {type(optimizer).__name__} optimizer is not a parameter of the model, so "
-                    "it has no name to file its state under; pass the model the optimizer trains"
+                    "it has no name to file its state under; pass the model the optimizer trains (an "
+                    "optimizer built before fully_shard, or before a load_state_dict(assign=True), holds "
+                    "parameters the model has replaced: build it after)"
                 )
             fqns[-1].append(names[param])
     return fqns

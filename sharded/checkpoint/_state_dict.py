@@ -90,8 +90,9 @@ def set_state_dict(model: nn.Module, optimizers: Optimizers, state: Mapping[str,
 
 def optimizer_entries(optimizers: list[Optimizer], names: dict[torch.Tensor, str], rank: int) -> dict[str, Any]:
     """The ``"optim"`` part of the sharded form for ``optimizers`` (live tensors, no copies)."""
+    description = _optimizer_description(optimizers, names, rank)  # first: it names a stranger parameter
     state = {names[p]: dict(held) for optimizer in optimizers for p, held in _held_states(optimizer).items()}
-    return {"state": state, **_optimizer_description(optimizers, names, rank)}
+    return {"state": state, **description}
 
 
 def _optimizer_description(optimizers: list[Optimizer], names: dict[torch.Tensor, str], rank: int) -> dict[str, Any]:
