@@ -110,8 +110,9 @@ def _assign_cases(rank, world):
 
 
 def _check_refused_replacements(rank):
-    """What cannot be a shard of the parameter raises at the next forward, naming it."""
-    from sharded import fully_shard
+    """What cannot be a shard of the parameter raises at the next forward, naming it; the FSDP1
+    wrapper, which copies full state dicts into its shards, refuses to assign."""
+    from sharded import FullyShardedDataParallel, fully_shard
 
     full = torch.ones(4, 8)
     for replacement, error, words in (
@@ -125,6 +126,9 @@ def _check_refused_replacements(rank):
             model[0].weight = replacement
         with pytest.raises(error, match=f"rank {rank}.*parameter 0.weight .*{words}"):
             model(torch.ones(1, 8))
+    wrapped = FullyShardedDataParallel(nn.Linear(8, 4))
+    with pytest.raises(NotImplementedError, match=f"rank {rank}: FullyShardedDataParallel.load_state_dict.assign=True"):
+        wrapped.load_state_dict(wrapped.state_dict(), assign=True)
     model = fully_shard(nn.Sequential(nn.Linear(8, 4)))
     mesh = model[0].weight.device_mesh
     model[0].weight = nn.Parameter(distribute_tensor(full, mesh, [Replicate()]))

@@ -349,6 +349,8 @@ class Unit:
         charge."""
         if not torch.is_grad_enabled():
             return False
+        # FORWARD: a list unit between its modules within such a forward; POST_BACKWARD: it sent
+        # its gradients already, so no backward of its is pending
         if self.training_state in (TrainingState.FORWARD, TrainingState.POST_BACKWARD):
             return True
         return not self.awaiting_backward

@@ -267,7 +267,16 @@ class FullyShardedDataParallel(nn.Module):
         return destination
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
-        """Collective: load a full (or DTensor) state dict keyed by the unwrapped model's names."""
+        """Collective: load a full (or DTensor) state dict keyed by the unwrapped model's names,
+        copied into each rank's rows. ``assign=True`` raises ``NotImplementedError``: the values
+        are copied, never adopted (load DTensor shards with ``assign=True`` into ``self.module``,
+        the sharded model, to have them adopted)."""
+        if assign:
+            raise NotImplementedError(on_rank(
+                "FullyShardedDataParallel.load_state_dict(assign=True): the wrapper copies a full state dict "
+                "into its shards; to adopt tensors, load DTensor shards laid out as the parameters with "
+                "wrapper.module.load_state_dict(shards, assign=True)"
+            ))
         return load_full_model_state_dict(self.module, state_dict, strict=strict)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator:
