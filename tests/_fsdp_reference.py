@@ -100,13 +100,15 @@ def train_both(pairs, rank: int, steps: int = STEPS, first: int = 0, loss_fn=gpt
             optimizer.step()
 
 
-def shard_gpt(model: GPT, **kwargs) -> GPT:
-    """The usual layout: every block a unit, the root the unit for the rest."""
-    from sharded import fully_shard
+def shard_gpt(model: GPT, shard=None, **kwargs) -> GPT:
+    """The usual layout: every block a unit, the root the unit for the rest; ``shard`` is the
+    ``fully_shard`` to apply (default: ours; torch's for the reference runs)."""
+    if shard is None:
+        from sharded import fully_shard as shard
 
     for block in model.blocks:
-        fully_shard(block, **kwargs)
-    return fully_shard(model, **kwargs)
+        shard(block, **kwargs)
+    return shard(model, **kwargs)
 
 
 def local_bytes(tensors) -> int:

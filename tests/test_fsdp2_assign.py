@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
-from tests._fsdp_reference import SGD, assert_same_as_torch, optimizers_for, train_recording
+from tests._fsdp_reference import SGD, assert_same_as_torch, optimizers_for, shard_gpt, train_recording
 from tests._harness import run_on_ranks
 from tests._models import gpt, gpt_loss, token_batch
 
@@ -34,9 +34,7 @@ def _sharded_gpt(shard, meta: bool) -> nn.Module:
             model = gpt(seed=1)
     else:
         model = gpt(seed=1)
-    for block in model.blocks:
-        shard(block)
-    return shard(model)
+    return shard_gpt(model, shard)
 
 
 def _as_shards(model: nn.Module, full: dict[str, torch.Tensor]) -> dict[str, DTensor]:

@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from examples.gpt import GPT, Block
-from tests._fsdp_reference import assert_same_as_torch, train_recording
+from tests._fsdp_reference import assert_same_as_torch, shard_gpt, train_recording
 from tests._harness import run_on_ranks
 
 
@@ -81,9 +81,7 @@ def _root_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _shard(model: nn.Module, shard, prefetch: bool = False, **kwargs) -> nn.Module:
-    for block in model.blocks:
-        shard(block, **kwargs)
-    shard(model, **kwargs)
+    shard_gpt(model, shard, **kwargs)
     if prefetch:  # explicit lists, as torchtitan sets them: the next block in each direction
         blocks = list(model.blocks)
         for before, after in zip(blocks, blocks[1:]):

@@ -29,7 +29,7 @@ def check_not_sharded(module: nn.Module) -> None:
     unit = unit_of(module)
     if unit is not None:
         raise AlreadySharded(on_rank(
-            f"fully_shard was already applied to this module (fully_shard({unit.module_name or type(module).__name__})). "
+            f"fully_shard was already applied to this module (fully_shard({unit.module_name})). "
             "Each distinct composable distributed API can only be applied to a module once. Call fully_shard once "
             "per module"
         ))

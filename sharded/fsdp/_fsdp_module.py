@@ -27,6 +27,11 @@ from ._unit import Unit, unit_of, units_under
 
 __all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "run_pre_forward", "state_of"]
 
+# Where a unit's first module keeps the view fully_shard.state returns (on the module, not in a
+# global map, for the reason _unit.unit_of gives)
+_STATE_VIEW_ATTRIBUTE = "_sharded_fsdp_state"
+
+
 def run_pre_forward(unit: Unit, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
     """A unit's forward pre-hook: the first unit to run becomes the root, then it gathers."""
     if unit.root is None:
@@ -75,10 +80,10 @@ def state_of(module: nn.Module) -> Optional[_StateView]:
     unit = unit_of(module)
     if unit is None:
         return None
-    first = unit.modules[0]  # kept there, not in a global map, for the reason unit_of gives
-    view = first.__dict__.get("_sharded_fsdp_state")
+    first = unit.modules[0]
+    view = first.__dict__.get(_STATE_VIEW_ATTRIBUTE)
     if view is None:
-        view = first.__dict__["_sharded_fsdp_state"] = _StateView(first, unit)
+        view = first.__dict__[_STATE_VIEW_ATTRIBUTE] = _StateView(first, unit)
     return view
 
 
@@ -117,7 +122,7 @@ class FSDPModule(TorchFSDPModule):
 
     def __deepcopy__(self, memo: Any) -> Any:
         raise DeepcopyRefused(on_rank(
-            f"FSDP does not support deepcopy of {self._fsdp_unit().module_name or type(self).__name__}: "
+            f"FSDP does not support deepcopy of {self._fsdp_unit().module_name}: "
             "its parameters are shards bound to this process group. Copy the state_dict() instead (or "
             "deepcopy the model before fully_shard)"
         ))

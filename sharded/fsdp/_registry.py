@@ -40,8 +40,9 @@ def unit_owning(param: torch.Tensor) -> Optional[Any]:
 
 def retire(original: torch.Tensor, unit: Any, replacement: Any, before: str = "sharding") -> None:
     """Record that ``original`` was replaced by ``replacement`` (a ShardedParam of ``unit``);
-    ``before`` says by what, for the optimizer's error ("... as it was before sharding"). Names are read when a message needs them:
-    the unit's and parameter's paths are known only once the model has run a forward."""
+    ``before`` says by what, for the optimizer's error ("... as it was before sharding"). Names
+    are read when a message needs them: the unit's and parameter's paths are known only once the
+    model has run a forward."""
     key = id(original)
     _retired[key] = (weakref.ref(original, lambda _ref: _retired.pop(key, None)), weakref.ref(unit), replacement, before)
 
