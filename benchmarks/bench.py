@@ -131,7 +131,7 @@ def tokens_for(size: str, step: int, rank: int, device) -> torch.Tensor:
 def build(impl: str, model: nn.Module):
     """(wrapped model, optimizer, set_to_none, local optimizer whose state this rank holds)."""
     if impl == "ideal":  # the same work minus all communication: no wrapper, Adam on 1/N
-        from sharded._partition import Partition
+        from sharded._owners.partition import Partition
 
         mine = Partition.build([list(model.parameters())], dist.get_world_size()).owned_by_group(dist.get_rank())[0]
         opt = torch.optim.Adam(mine, lr=LR)
@@ -300,10 +300,10 @@ class CollectiveCounter:
                 setattr(dist, name, self._counting(name, fn, factor, world))
         # sharded's ZeRO-3 gathers start here: one all-gather, though on gloo it is made of one
         # broadcast per rank (not counted again)
-        from sharded import _comm
+        from sharded._common import comm
 
-        self._comm, self._comm_gather = _comm, _comm.all_gather_into_tensor
-        _comm.all_gather_into_tensor = self._counting_gather(self._comm_gather, world)
+        self._comm, self._comm_gather = comm, comm.all_gather_into_tensor
+        comm.all_gather_into_tensor = self._counting_gather(self._comm_gather, world)
         backend = self._deepspeed_backend()
         if backend is not None:  # it looked its all-gather and reduce-scatter up once, at start
             self._ds_saved = (backend.all_gather_function, backend.reduce_scatter_function)

@@ -18,7 +18,7 @@ from . import checkpoint
 from .grad_scaler import ShardedGradScaler
 from .oss import OSS
 from .sharded_ddp import ShardedDataParallel
-from ._memory_estimate import MemoryEstimate, estimate_memory
+from ._memory.estimate import MemoryEstimate, estimate_memory
 from .fsdp import __getattr__ as _fsdp_getattr
 
 __version__ = "0.1.0"

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import _comm
+from ._common import comm
 
 __all__ = ["ShardedGradScaler"]
 
@@ -74,11 +74,11 @@ def _agree_on_found_inf(
     A rank that holds no gradient (it owns nothing, or its shard got none) still joins the
     collective and records the agreed flag on the communication device.
     """
-    device = _comm.comm_device(group)
+    device = comm.comm_device(group)
     agreed = torch.zeros((), dtype=torch.float32, device=device)
     for flag in per_device.values():
         agreed = torch.maximum(agreed, flag.to(device, torch.float32))
-    _comm.all_reduce(agreed, group, dist.ReduceOp.MAX)
+    comm.all_reduce(agreed, group, dist.ReduceOp.MAX)
     for flag in per_device.values():
         flag.copy_(agreed)
     return per_device or {device: agreed}

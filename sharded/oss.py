@@ -18,12 +18,14 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from . import _comm
-from ._broadcast import PendingBroadcasts, make_resident, plan_broadcasts, release_residents, start_broadcasts
-from ._checks import as_param_groups, check_optimizer_class, check_param_list, check_same_across_ranks, param_list
-from ._norm import clip_by_global_norm
-from ._partition import Partition
-from ._optim_state import consolidated_state_dict, hyperparams, restore_state, snapshot_shard, states_by_param
+from ._common import comm
+from ._common.broadcast import PendingBroadcasts, make_resident, plan_broadcasts, release_residents, start_broadcasts
+from ._common.checks import as_param_groups, check_optimizer_class, check_param_list, check_same_across_ranks, param_list
+from ._common.flat import DEFAULT_BUCKET_NUMEL
+from ._common.norm import clip_by_global_norm
+from ._common.optimizers import hyperparams
+from ._owners.optim_state import consolidated_state_dict, restore_state, snapshot_shard, states_by_param
+from ._owners.partition import Partition
 
 __all__ = ["OSS", "imbalance"]
 
@@ -88,7 +90,7 @@ class OSS(Optimizer):
         params: Union[Iterable[torch.Tensor], Iterable[dict[str, Any]]],
         optim: type[Optimizer] = torch.optim.SGD,
         group: Optional[dist.ProcessGroup] = None,
-        broadcast_buffer_size: int = 2**23,
+        broadcast_buffer_size: int = DEFAULT_BUCKET_NUMEL,
         broadcast_fp16: bool = False,
         force_broadcast_object: bool = False,
         **defaults: Any,
@@ -99,9 +101,9 @@ class OSS(Optimizer):
                 "OSS needs torch.distributed: call torch.distributed.init_process_group() first"
             )
         self.group = group if group is not None else dist.group.WORLD
-        self.rank = _comm.group_rank(self.group)
-        self.world_size = _comm.group_size(self.group)
-        self.global_rank = _comm.global_rank(self.group, self.rank)
+        self.rank = comm.group_rank(self.group)
+        self.world_size = comm.group_size(self.group)
+        self.global_rank = comm.global_rank(self.group, self.rank)
         self.broadcast_buffer_size = broadcast_buffer_size
         self.broadcast_fp16 = broadcast_fp16
         self.force_broadcast_object = force_broadcast_object
@@ -239,9 +241,9 @@ class OSS(Optimizer):
         stepped = torch.tensor(
             [owners[i] == self.rank and params[i].grad is not None for i in frozen],
             dtype=torch.int32,
-            device=_comm.comm_device(self.group),
+            device=comm.comm_device(self.group),
         )
-        _comm.all_reduce(stepped, self.group, dist.ReduceOp.MAX)
+        comm.all_reduce(stepped, self.group, dist.ReduceOp.MAX)
         by_owner: list[list[torch.Tensor]] = [[] for _ in range(self.world_size)]
         for i, was_stepped in zip(frozen, stepped.tolist()):
             if was_stepped:
@@ -382,7 +384,7 @@ class OSS(Optimizer):
             dst: (snapshot_shard(states[dst], new), snapshot_shard(grads[dst], new))
             for dst in set(states) | set(grads)
         }
-        for state_shard, grad_shard in _comm.exchange_objects(outgoing, self.group).values():
+        for state_shard, grad_shard in comm.exchange_objects(outgoing, self.group).values():
             self._adopt({new.params[index]: state for index, state in state_shard.items()})
             for index, held in grad_shard.items():
                 param = new.params[index]
@@ -408,7 +410,7 @@ class OSS(Optimizer):
             )
         mine = snapshot_shard(self.optim.state, self._partition)
         recipients = range(self.world_size) if recipient_rank == -1 else [recipient_rank]
-        received = _comm.exchange_objects({r: mine for r in recipients if r != self.rank}, self.group)
+        received = comm.exchange_objects({r: mine for r in recipients if r != self.rank}, self.group)
         if self.rank not in recipients:
             self._consolidated = None
             return

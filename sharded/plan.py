@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from ._memory_estimate import STAGE_NAMES, MemoryEstimate, estimate_memory
+from ._memory.estimate import STAGE_NAMES, MemoryEstimate, estimate_memory
 
 __all__ = ["plan", "parse_bytes", "main"]
 

@@ -2,13 +2,14 @@
 
 ``ShardedDataParallel`` is what users put where ``DistributedDataParallel`` was. It holds the
 configuration and the pieces: the parameter ownership comes from the ``OSS`` optimizers'
-partitions, gradient routing from :class:`sharded._grad_router.GradRouter`, buffer and model
-broadcasts from :mod:`sharded._broadcast`. It has no collective code of its own.
+partitions, gradient routing from :class:`sharded._owners.grad_router.GradRouter`, buffer and model
+broadcasts from :mod:`sharded._common.broadcast`. It has no collective code of its own.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from typing import Any, Iterator, Optional, Sequence, Union
 
@@ -17,13 +18,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from . import _comm
-from ._broadcast import PendingBroadcasts, plan_broadcasts, start_broadcasts
-from ._checks import check_same_across_ranks
-from ._compile_split import split_bytes_for, split_compiled_graphs
-from ._grad_router import BackwardStats, GradRouter
-from ._norm import clip_by_global_norm
-from ._param_waits import ParamWaits
+from ._common import comm
+from ._common.broadcast import PendingBroadcasts, plan_broadcasts, start_broadcasts
+from ._common.checks import check_same_across_ranks
+from ._common.flat import DEFAULT_BUCKET_NUMEL
+from ._common.norm import clip_by_global_norm
+from ._owners.compile_split import graph_splitter, split_bytes_for
+from ._owners.grad_router import BackwardStats, GradRouter
+from ._owners.param_waits import ParamWaits
 from .oss import OSS
 
 __all__ = ["ShardedDataParallel"]
@@ -81,7 +83,7 @@ class ShardedDataParallel(nn.Module):
         process_group: Optional[dist.ProcessGroup] = None,
         broadcast_buffers: bool = True,
         sync_models_at_startup: bool = True,
-        reduce_buffer_size: int = 2**23,
+        reduce_buffer_size: int = DEFAULT_BUCKET_NUMEL,
         auto_refresh_trainable: bool = True,
         reduce_fp16: bool = False,
         warn_on_trainable_params_changed: bool = True,
@@ -90,11 +92,12 @@ class ShardedDataParallel(nn.Module):
         static_graph: bool = False,
     ) -> None:
         super().__init__()
+        _let_dynamo_skip_forward()
         self.module = module
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         self.sharded_optimizers = _as_optimizer_list(sharded_optimizer, self.process_group)
-        self.rank = _comm.group_rank(self.process_group)
-        self.world_size = _comm.group_size(self.process_group)
+        self.rank = comm.group_rank(self.process_group)
+        self.world_size = comm.group_size(self.process_group)
         self.broadcast_buffers = broadcast_buffers
         self.reduce_buffer_size = reduce_buffer_size
         self.auto_refresh_trainable = auto_refresh_trainable
@@ -131,14 +134,14 @@ class ShardedDataParallel(nn.Module):
 
     # --------------------------------------------------------------------------- forward
 
-    @torch.compiler.disable(recursive=False)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Refresh after ``requires_grad`` changes, sync buffers, run the wrapped module.
 
-        Dynamo never traces this method itself (as it never traces DDP's): under
+        Dynamo never traces this method itself (as it never traces DDP's; see
+        :func:`_let_dynamo_skip_forward`): under
         ``torch.compile`` of the wrapper or of the module, only the module is compiled, split
         into bucket-sized graphs so that reduces overlap the compiled backward (see
-        :mod:`sharded._compile_split`).
+        :mod:`sharded._owners.compile_split`).
         """
         if self.auto_refresh_trainable and self._trainability_changed():
             self._warn_trainability_changed_once()
@@ -151,7 +154,7 @@ class ShardedDataParallel(nn.Module):
         # As with DDP, the forward decides whether its backward reduces: a forward run inside
         # no_sync() accumulates even if backward is called after the context has closed.
         self._router.sync_enabled = self.require_backward_grad_sync
-        with split_compiled_graphs(self._split_bytes):
+        with graph_splitter()(self._split_bytes):
             outputs = self.module(*inputs, **kwargs)
         self._sync_buffers_at_next_forward = self.require_backward_grad_sync and torch.is_grad_enabled()
         if self._sync_buffers_at_next_forward:
@@ -382,6 +385,16 @@ class ShardedDataParallel(nn.Module):
 
     def _start_broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> PendingBroadcasts:
         return start_broadcasts(plan_broadcasts([tensors], self.reduce_buffer_size), self.process_group)
+
+
+@functools.cache
+def _let_dynamo_skip_forward() -> None:
+    """``@torch.compiler.disable(recursive=False)`` on :meth:`ShardedDataParallel.forward`, applied
+    when the first wrapper is built rather than at import: the decorator imports Dynamo (and with
+    it DTensor and torch's FSDP, seconds of start-up) that ``import sharded`` must not pay for."""
+    ShardedDataParallel.forward = torch.compiler.disable(  # type: ignore[method-assign]
+        ShardedDataParallel.forward, recursive=False
+    )
 
 
 def _check_no_sparse_gradients(module: nn.Module, rank: int) -> None:

@@ -214,7 +214,7 @@ class CountCollectives:
     """Counts calls to torch.distributed's gathers and reductions while active (layer 3 looks
     them up at call time, so patching the module attributes sees them).
 
-    Layer 3's own all-gathers are counted where they start, at ``sharded._comm``'s
+    Layer 3's own all-gathers are counted where they start, at ``sharded._common.comm``'s
     ``all_gather_into_tensor`` (on gloo that is one broadcast per rank, not a torch gather); a
     torch gather it makes inside is not counted again. A user's gather (``set_custom_all_gather``)
     calls torch's directly and is counted there."""
@@ -223,15 +223,15 @@ class CountCollectives:
     REDUCES = ("reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor", "all_reduce")
 
     def __enter__(self) -> "CountCollectives":
-        from sharded import _comm
+        from sharded._common import comm
 
         self.gathers, self.reduces, self.gathered_bytes = 0, 0, 0
         self._inside_comm_gather = False
         self._saved = {name: getattr(dist, name) for name in self.GATHERS + self.REDUCES if hasattr(dist, name)}
         for name, fn in self._saved.items():
             setattr(dist, name, self._counting(name, fn))
-        self._comm, self._comm_gather = _comm, _comm.all_gather_into_tensor
-        _comm.all_gather_into_tensor = self._counting_comm_gather(self._comm_gather)
+        self._comm, self._comm_gather = comm, comm.all_gather_into_tensor
+        comm.all_gather_into_tensor = self._counting_comm_gather(self._comm_gather)
         return self
 
     def _count_gather(self, sent) -> None:

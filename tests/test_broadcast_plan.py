@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sharded._broadcast import make_resident, plan_broadcasts, release_residents
+from sharded._common.broadcast import make_resident, plan_broadcasts, release_residents
 
 
 def _params(n, size=10):

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from examples.gpt import GPT
-from sharded import _comm
+from sharded._common import comm
 from sharded.fsdp._root import MAX_REDUCTIONS_IN_FLIGHT
 from sharded.fsdp._unit import ShardState, TrainingState, units_under
 from tests._fsdp_reference import local_bytes, shard_gpt
@@ -128,8 +128,8 @@ def _check_gloo_copies_reduce_scatter_input(rank, world):
     sent = base * (rank + 1)
     expected = base.view(world, 4)[rank] * (world + 1) / 2  # the average of rank + 1 over the ranks
     received = torch.empty(4)
-    work = _comm.reduce_scatter_tensor(received, sent, dist.group.WORLD, dist.ReduceOp.AVG)
-    assert _comm.reduce_scatter_copies_input(dist.group.WORLD)
+    work = comm.reduce_scatter_tensor(received, sent, dist.group.WORLD, dist.ReduceOp.AVG)
+    assert comm.reduce_scatter_copies_input(dist.group.WORLD)
     sent.fill_(float("nan"))  # what fully_shard may do once the call returned: free it
     work.wait()
     assert torch.equal(received, expected), (received, expected)
@@ -158,7 +158,7 @@ def _check_gloo_gathers_into_its_output(rank, world):
         output = torch.zeros(world * n)
         _map_large_blocks_and_release_free_memory()
         peak = DataPeak()
-        work = _comm.all_gather_into_tensor(output, sent, dist.group.WORLD, async_op=async_op)
+        work = comm.all_gather_into_tensor(output, sent, dist.group.WORLD, async_op=async_op)
         if work is not None:
             work.wait()
         rise = peak.rise()
@@ -166,7 +166,7 @@ def _check_gloo_gathers_into_its_output(rank, world):
         # gloo's own all-gather stages the whole output in a buffer of its own (rise ~ output)
         assert rise < output.numel() * 4 / 2, f"rank {rank}: gathering held {rise / 2**20:.1f} MiB beside the output"
     empty = torch.empty(0)
-    _comm.all_gather_into_tensor(empty, empty, dist.group.WORLD, async_op=False)
+    comm.all_gather_into_tensor(empty, empty, dist.group.WORLD, async_op=False)
 
 
 def _check_gloo_collectives(rank, world):

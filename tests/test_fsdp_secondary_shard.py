@@ -24,12 +24,12 @@ from tests._models import gpt, gpt_loss, token_batch
 
 class GatherGroupSizes:
     """Records the size of the group of every all-gather layer 3 starts while active (at
-    ``sharded._comm``, where a gather starts on every backend)."""
+    ``sharded._common.comm``, where a gather starts on every backend)."""
 
     def __enter__(self) -> list[int]:
-        from sharded import _comm
+        from sharded._common import comm
 
-        self.comm, self.original = _comm, _comm.all_gather_into_tensor
+        self.comm, self.original = comm, comm.all_gather_into_tensor
         self.sizes: list[int] = []
 
         def spy(output, input, group=None, async_op=True):

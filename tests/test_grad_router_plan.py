@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from sharded._reduce_plan import plan_reduce_buckets
+from sharded._owners.reduce_plan import plan_reduce_buckets
 
 
 def _params(sizes):

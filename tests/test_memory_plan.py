@@ -15,7 +15,7 @@ from torch import nn
 
 import sharded
 from sharded import OSS, estimate_memory, plan
-from sharded._partition import Partition
+from sharded._owners.partition import Partition
 from sharded.oss import imbalance
 from tests._harness import run_on_ranks
 

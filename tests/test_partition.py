@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from sharded._partition import Partition
+from sharded._owners.partition import Partition
 
 
 def _params(sizes, frozen=()):

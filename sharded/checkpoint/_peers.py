@@ -16,7 +16,7 @@ from typing import Iterator, Optional
 
 import torch.distributed as dist
 
-from .._errors import on_rank
+from .._common.errors import on_rank
 
 __all__ = ["PeerFailure", "detect_peer_failure"]
 

@@ -20,7 +20,7 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch.optim import Optimizer
 
-from .._optim_state import constructor_kwargs
+from .._common.optimizers import constructor_kwargs
 from ._tensors import local_part
 
 __all__ = ["is_unfilled", "mark_unfilled", "placeholder_states", "unfilled_params", "without_placeholders"]

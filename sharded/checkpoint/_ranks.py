@@ -12,7 +12,7 @@ from typing import Callable, Optional, TypeVar
 
 import torch.distributed as dist
 
-from .. import _comm
+from .._common import comm
 from ._fit_checks import CheckpointError
 
 __all__ = ["Ranks"]
@@ -26,8 +26,8 @@ class Ranks:
     def __init__(self, group: Optional[dist.ProcessGroup]) -> None:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.group = group if group is not None or not self.distributed else dist.group.WORLD
-        self.rank = _comm.group_rank(self.group) if self.distributed else 0
-        self.size = _comm.group_size(self.group) if self.distributed else 1
+        self.rank = comm.group_rank(self.group) if self.distributed else 0
+        self.size = comm.group_size(self.group) if self.distributed else 1
 
     def require_numpy(self) -> None:
         """Raise (on every rank alike) if DCP's object collectives cannot work here.
@@ -59,7 +59,7 @@ class Ranks:
         """Share this rank's outcome; raise here if this rank succeeded but another did not."""
         if self.size == 1:
             return
-        flags = _comm.all_gather_lengths(int(succeeded), self.group)
+        flags = comm.all_gather_lengths(int(succeeded), self.group)
         failed = [r for r, ok in enumerate(flags) if not ok]
         if succeeded and failed:
             raise CheckpointError(f"rank {self.rank}: {what} failed on rank(s) {failed}; see their errors")

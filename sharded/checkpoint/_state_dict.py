@@ -27,8 +27,8 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from .._errors import process_rank
-from .._optim_state import hyperparams
+from .._common.errors import process_rank
+from .._common.optimizers import hyperparams
 from ..oss import OSS
 from ._fit_checks import CheckpointError, Shape, check_entries, check_filled, check_param_groups, check_state_shapes
 from ._names import Optimizers, as_optimizer_list, inner_optimizer_class, optimizer_fqns, param_fqns, unwrap

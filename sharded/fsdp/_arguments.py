@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 from torch.distributed.tensor import Shard
 
-from .._errors import on_rank
+from .._common.errors import on_rank
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = ["as_our_policies", "resolve_reshard_after_forward", "shard_dims"]

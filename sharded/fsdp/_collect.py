@@ -8,7 +8,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from .._errors import on_rank
+from .._common.errors import on_rank
 from ._registry import replaced_as, unit_owning
 from ._unit import unit_of
 

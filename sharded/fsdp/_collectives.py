@@ -17,15 +17,15 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .. import _comm
+from .._common import comm
 
 __all__ = ["new_buffer", "PendingGather", "start_all_gather", "PendingReduceScatter", "start_reduce_scatter"]
 
 
-def new_buffer(numel: int, dtype: torch.dtype, device: torch.device, comm: Optional[Any] = None) -> torch.Tensor:
-    """An uninitialised 1-D buffer for a collective (``comm``'s own allocation, if given)."""
-    if comm is not None:
-        return comm.allocate((numel,), dtype=dtype, device=device)
+def new_buffer(numel: int, dtype: torch.dtype, device: torch.device, custom: Optional[Any] = None) -> torch.Tensor:
+    """An uninitialised 1-D buffer for a collective (``custom``'s own allocation, if given)."""
+    if custom is not None:
+        return custom.allocate((numel,), dtype=dtype, device=device)
     return torch.empty(numel, dtype=dtype, device=device)
 
 
@@ -33,7 +33,7 @@ def new_buffer(numel: int, dtype: torch.dtype, device: torch.device, comm: Optio
 class PendingGather:
     """An all-gather in flight: ``output`` is valid once ``work`` is waited for."""
 
-    work: Optional[_comm.Waitable]
+    work: Optional[comm.Waitable]
     output: torch.Tensor
     sent: torch.Tensor  # kept alive until the collective has read it
 
@@ -49,17 +49,17 @@ def start_all_gather(
     device: torch.device,
     group: dist.ProcessGroup,
     world: int,
-    comm: Optional[Any] = None,
+    custom: Optional[Any] = None,
 ) -> PendingGather:
     """Start gathering every rank's ``shard`` (cast to ``dtype`` on ``device`` first: a narrow
     ``dtype`` halves the bytes sent) into one rank-major buffer."""
     sent = shard.to(device=device, dtype=dtype, non_blocking=True)
     if world == 1:
         return PendingGather(None, sent, sent)
-    output = new_buffer(world * sent.numel(), dtype, device, comm)
-    if comm is not None:
-        return PendingGather(comm(output, sent, group, async_op=True), output, sent)
-    return PendingGather(_comm.all_gather_into_tensor(output, sent, group, async_op=True), output, sent)
+    output = new_buffer(world * sent.numel(), dtype, device, custom)
+    if custom is not None:
+        return PendingGather(custom(output, sent, group, async_op=True), output, sent)
+    return PendingGather(comm.all_gather_into_tensor(output, sent, group, async_op=True), output, sent)
 
 
 @dataclass
@@ -84,16 +84,16 @@ def start_reduce_scatter(
     group: dist.ProcessGroup,
     world: int,
     op: dist.ReduceOp.RedOpType,
-    comm: Optional[Any] = None,
+    custom: Optional[Any] = None,
 ) -> PendingReduceScatter:
     """Start reducing the rank-major ``sent`` (``world`` equal rows) with ``op`` over ``group``,
     row ``r`` landing on rank ``r``. With one rank, ``sent`` is already the result."""
     if world == 1:
         return PendingReduceScatter(None, sent, sent)
-    output = new_buffer(sent.numel() // world, sent.dtype, sent.device, comm)
-    if comm is not None:
-        return PendingReduceScatter(comm(output, sent, group, op, async_op=True), output, sent)
-    work = _comm.reduce_scatter_tensor(output, sent, group, op, async_op=True)
+    output = new_buffer(sent.numel() // world, sent.dtype, sent.device, custom)
+    if custom is not None:
+        return PendingReduceScatter(custom(output, sent, group, op, async_op=True), output, sent)
+    work = comm.reduce_scatter_tensor(output, sent, group, op, async_op=True)
     # a send buffer the collective has already copied is not kept: the largest buffer of a
     # reduction in flight is freed as soon as it was consumed
-    return PendingReduceScatter(work, output, None if _comm.reduce_scatter_copies_input(group) else sent)
+    return PendingReduceScatter(work, output, None if comm.reduce_scatter_copies_input(group) else sent)

@@ -29,8 +29,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from .._errors import on_rank
-from .._flat import column_blocks
+from .._common.errors import on_rank
+from .._common.flat import column_blocks
 from ._collectives import PendingGather, start_all_gather
 from ._param import ShardedParam
 from .policies import MixedPrecisionPolicy

@@ -35,7 +35,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from .._flat import column_blocks
+from .._common.flat import column_blocks
 from ._param import ShardedParam
 
 __all__ = ["UnitStorage", "GradientLayout", "pack_gradients"]

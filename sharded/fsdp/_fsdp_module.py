@@ -20,8 +20,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
 
-from .. import _comm
-from .._errors import on_rank
+from .._common import comm
+from .._common.errors import on_rank
 from ._root import Root
 from ._unit import Unit, unit_of, units_under
 
@@ -275,7 +275,7 @@ class FSDPModule(TorchFSDPModule):
                 continue
             ranks = tuple(dist.get_process_group_ranks(unit.mesh_info.shard_group))
             if ranks not in created:
-                created[ranks] = _comm.new_group_of_this_rank([ranks], use_local_synchronization=True)
+                created[ranks] = comm.new_group_of_this_rank([ranks], use_local_synchronization=True)
             unit.reduce_scatter_group = created[ranks]
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Optional[Any] = None) -> None:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .._errors import on_rank
+from .._common.errors import on_rank
 from ._unit import TrainingState, Unit, units_under
 
 __all__ = ["summon_full_params", "full_model_state_dict", "load_full_model_state_dict"]

@@ -1,5 +1,5 @@
 """The global gradient norm of sharded parameters, and clipping by it (layer 3's grouping over
-the one implementation in :mod:`sharded._norm`).
+the one implementation in :mod:`sharded._common.norm`).
 
 Each rank holds a shard of most gradients, so the norm is a sum over ranks: every rank adds up
 ``|g|^p`` over its local shards, one all-reduce per shard group adds the ranks' sums, and
@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .. import _comm
-from .._norm import all_reduce_term, norm_term, scale_by_norm_, total_norm
+from .._common import comm
+from .._common.norm import all_reduce_term, norm_term, scale_by_norm_, total_norm
 
 __all__ = ["clip_grad_norm_", "global_grad_norm"]
 
@@ -38,7 +38,7 @@ def global_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0)
     device = first.device if first is not None else torch.device("cpu")
     terms = [norm_term(whole, norm_type, device)]
     for groups, locals_ in by_groups.items():
-        term = norm_term(locals_, norm_type, _comm.comm_device(groups[0]))
+        term = norm_term(locals_, norm_type, comm.comm_device(groups[0]))
         for group in groups:
             term = all_reduce_term(term, group, norm_type)
         terms.append(term.to(device))

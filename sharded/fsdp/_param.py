@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from ._layout import DTensorLayout
+from ._placement.dtensor import DTensorLayout
 
 __all__ = ["ShardGeometry", "ShardedParam"]
 

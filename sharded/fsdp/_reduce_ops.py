@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .. import _comm
+from .._common import comm
 
 __all__ = ["DivisionPlan", "division_plan"]
 
@@ -56,13 +56,13 @@ def division_plan(
 ) -> DivisionPlan:
     """The plan for reducing ``dtype`` gradients over ``shard_world x replicate_world`` ranks."""
     if factor is None and not force_sum:
-        average = _comm.mean_op(dtype)
+        average = comm.mean_op(dtype)
         return DivisionPlan(None, None, average, average, None)
     total = float(factor if factor is not None else shard_world * replicate_world)
     summed = dist.ReduceOp.SUM
     if not force_sum and dtype in _SAFE_DTYPES:
         if total == shard_world:
-            return DivisionPlan(None, None, _comm.mean_op(dtype), summed, None)
+            return DivisionPlan(None, None, comm.mean_op(dtype), summed, None)
         return DivisionPlan(_unless_one(1.0 / total), None, summed, summed, None)
     if dtype in _SAFE_DTYPES:
         return DivisionPlan(None, None, summed, summed, _unless_one(total))

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from .. import _comm
+from .._common import comm
 from ._collectives import PendingReduceScatter
 from ._flat_buffers import GradientLayout
 from ._param import ShardedParam
@@ -109,7 +109,7 @@ class Reduction:
             if settings.carried is not None:
                 received.add_(settings.carried)
             if settings.replicate_group is not None and settings.all_reduce_now:
-                self._replica_work = _comm.start_all_reduce(received, settings.replicate_group, settings.plan.replica_op)
+                self._replica_work = comm.start_all_reduce(received, settings.replicate_group, settings.plan.replica_op)
         return received
 
     def finish(self) -> None:

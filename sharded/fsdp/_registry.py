@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .._errors import on_rank
+from .._common.errors import on_rank
 
 __all__ = ["register_sharded", "unit_owning", "retire", "replaced_as", "retired_by", "install_optimizer_guard"]
 

@@ -18,8 +18,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .._checks import check_same_across_ranks
-from .._errors import on_rank
+from .._common.checks import check_same_across_ranks
+from .._common.errors import on_rank
 from ._extension import check_no_late_hooks
 from ._reduction import Reduction
 from ._unit import ShardState, TrainingState, Unit, units_under

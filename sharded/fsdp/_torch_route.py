@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from types import ModuleType, TracebackType
 from typing import Any, Iterable, Optional, Union
 
-from .._errors import on_rank
+from .._common.errors import on_rank
 from .api import fully_shard
 
 __all__ = ["use_for_torch_fsdp", "TorchFSDPRoute", "TORCH_PATHS"]

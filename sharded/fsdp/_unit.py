@@ -19,18 +19,18 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
+from .._common.errors import on_rank
 from ._collectives import PendingGather, new_buffer, start_all_gather, start_reduce_scatter
 from ._extension import ExtensionGather, shard_with_extension
 from ._flat_buffers import UnitStorage, pack_gradients
 from ._hooks import cast_floats, register_pre_backward, watch_input_gradients
-from ._mesh import MeshInfo
 from ._param import ShardedParam
-from ._secondary_shard import SecondaryShard
+from ._placement.mesh import MeshInfo
+from ._placement.secondary_shard import SecondaryShard
 from ._reduce_ops import division_plan
 from ._reduction import GradientShards, ReduceSettings, Reduction
 from ._registry import register_sharded, retire
 from ._streams import CommStreams
-from .._errors import on_rank
 from .policies import BackwardPrefetch, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 if TYPE_CHECKING:

@@ -18,17 +18,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .._common.errors import on_rank
 from ._arguments import as_our_policies, resolve_reshard_after_forward, shard_dims
 from ._collect import check_not_sharded, collect_unit_params
 from ._extension import has_gather_extension
-from .._errors import on_rank
 from ._fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method, run_pre_forward, state_of
 from ._hooks import install_forward_hooks, install_state_dict_hooks
-from ._layout import layout_for, local_tensor_of
-from ._mesh import MeshInfo, resolve_mesh
 from ._param import ShardedParam, ShardGeometry
-from ._spmd import resolve_spmd_mesh, spmd_layout
-from ._secondary_shard import secondary_shard_for
+from ._placement.dtensor import layout_for, local_tensor_of
+from ._placement.mesh import MeshInfo, resolve_mesh
+from ._placement.secondary_shard import secondary_shard_for
+from ._placement.spmd import resolve_spmd_mesh, spmd_layout
 from ._registry import install_optimizer_guard, register_sharded, retire
 from ._unit import Unit, UnitConfig
 from .policies import MixedPrecisionPolicy, OffloadPolicy

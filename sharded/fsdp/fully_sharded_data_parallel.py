@@ -23,13 +23,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .._broadcast import plan_broadcasts, start_broadcasts
+from .._common.broadcast import plan_broadcasts, start_broadcasts
+from .._common.errors import on_rank
+from .._common.flat import DEFAULT_BUCKET_NUMEL
 from ._collect import modules_outside_units
-from .._errors import on_rank
 from ._fsdp_module import FSDPModule
 from ._full_params import full_model_state_dict, load_full_model_state_dict, summon_full_params
 from ._grad_norm import clip_grad_norm_
-from ._mesh import MeshInfo, hybrid_mesh, mesh_from_groups, resolve_mesh
+from ._placement.mesh import MeshInfo, hybrid_mesh, mesh_from_groups, resolve_mesh
 from ._unit import units_under
 from .api import fully_shard
 from .policies import BackwardPrefetch, CPUOffloadPolicy, MixedPrecisionPolicy
@@ -39,7 +40,6 @@ __all__ = ["FullyShardedDataParallel", "ShardingStrategy", "CPUOffload", "MixedP
 
 logger = logging.getLogger(__name__)
 
-SYNC_BUCKET_NUMEL = 2**23  # most elements per sync_module_states broadcast (32 MiB of float32)
 
 
 class ShardingStrategy(enum.Enum):
@@ -367,7 +367,7 @@ def _broadcast_from_rank0(module: nn.Module, mesh: DeviceMesh) -> None:
     materialising and sharding: before, meta tensors have no values to send; after, no rank holds
     a full tensor, and each rank's shard would keep its own initial rows. Bucketed, one message
     per bucket; on a hybrid mesh across the rows first, then within each row."""
-    buckets = plan_broadcasts([_unit_states(module)], SYNC_BUCKET_NUMEL)
+    buckets = plan_broadcasts([_unit_states(module)], DEFAULT_BUCKET_NUMEL)
     with torch.no_grad():
         for dim in range(mesh.ndim):
             start_broadcasts(buckets, mesh.get_group(dim)).wait()

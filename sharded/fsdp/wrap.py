@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Optional, Union
 
 from torch import nn
 
-from .._errors import on_rank
+from .._common.errors import on_rank
 
 __all__ = [
     "ModuleWrapPolicy",

@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 
 from .. import checkpoint
-from .._errors import on_rank
+from .._common.errors import on_rank
 from ..checkpoint import CheckpointError
 from ..checkpoint._ranks import Ranks
 from ..checkpoint._storage import METADATA_FILE

@@ -20,7 +20,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.checkpoint import checkpoint
 
-from .._errors import on_rank
+from .._common.errors import on_rank
 from ..fsdp import FullyShardedDataParallel
 from ..fsdp.fully_sharded_data_parallel import CPUOffload, MixedPrecision, ShardingStrategy
 from ..fsdp.wrap import as_wrap_policy, modules_to_wrap

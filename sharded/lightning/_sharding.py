@@ -18,8 +18,8 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import ConstantLR, LRScheduler
 
-from .._errors import on_rank
-from .._optim_state import constructor_kwargs
+from .._common.errors import on_rank
+from .._common.optimizers import constructor_kwargs
 from ..grad_scaler import ShardedGradScaler
 from ..oss import OSS
 from ..sharded_ddp import ShardedDataParallel

@@ -10,11 +10,11 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ._memory_estimate import Layout
-from ._memory_trial import ActivationProfile
-from .fsdp._param import ShardGeometry
-from .fsdp._root import MAX_REDUCTIONS_IN_FLIGHT
-from .fsdp.wrap import as_wrap_policy, modules_to_wrap
+from ..fsdp._param import ShardGeometry
+from ..fsdp._root import MAX_REDUCTIONS_IN_FLIGHT
+from ..fsdp.wrap import as_wrap_policy, modules_to_wrap
+from .layout import Layout
+from .trial import ActivationProfile
 
 __all__ = ["zero3_layout"]
 
@@ -120,7 +120,7 @@ def _backward_walk(
     activations alive while the ``i``-th unit of the walk computes; the last, at the root's
     reduction.
 
-    A prefetch in flight holds its output buffer only (on gloo ``_comm.all_gather_into_tensor``
+    A prefetch in flight holds its output buffer only (on gloo ``comm.all_gather_into_tensor``
     broadcasts into it rather than through a buffer of gloo's own). ``gloo`` (CPU): a
     reduce-scatter copies its input before the call returns (the send buffer is freed then)
     and holds the other ranks' chunks, ``(world - 1) / world`` of it, until it completes. With

@@ -8,19 +8,32 @@ averaged across rows.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .. import _comm
-from .._errors import on_rank
+from ..._common import comm
+from ..._common.errors import on_rank
 
-if TYPE_CHECKING:
-    from ._spmd import SpmdDims
+__all__ = ["MeshInfo", "SpmdDims", "resolve_mesh", "hybrid_mesh", "mesh_from_groups"]
 
-__all__ = ["MeshInfo", "resolve_mesh", "hybrid_mesh", "mesh_from_groups"]
+
+@dataclass(frozen=True)
+class SpmdDims:
+    """Where the data-parallel dims are in the SPMD mesh the parameters live on."""
+
+    mesh: DeviceMesh
+    shard: tuple[int, ...]  # the dims parameters are sharded over (consecutive; flattened if several)
+    replicate: tuple[int, ...]  # the dims gradients are all-reduced over (hybrid), if any
+    sharded_mesh: DeviceMesh  # where sharded parameters live: ``mesh``, or with the shard dims flattened
+    sharded_dims: tuple[Optional[int], ...]  # per dim of it, the dim of ``mesh`` whose placement it takes
+                                              # (None: Replicate(), the flattened replicas)
+
+    @property
+    def data_parallel(self) -> frozenset[int]:
+        return frozenset((*self.shard, *self.replicate))
 
 
 @dataclass(frozen=True)
@@ -28,7 +41,7 @@ class MeshInfo:
     """A unit's mesh and the groups, ranks and device derived from it."""
 
     mesh: DeviceMesh
-    spmd: Optional["SpmdDims"] = None  # fully_shard(dp_mesh_dims=...): the SPMD mesh around ``mesh``
+    spmd: Optional[SpmdDims] = None  # fully_shard(dp_mesh_dims=...): the SPMD mesh around ``mesh``
 
     @property
     def shard_group(self) -> dist.ProcessGroup:
@@ -84,8 +97,8 @@ def hybrid_mesh(shard_size: int, group: Optional[dist.ProcessGroup] = None) -> D
 def mesh_from_groups(shard_group: dist.ProcessGroup, replicate_group: dist.ProcessGroup) -> DeviceMesh:
     """The 2-D ``(replicate, shard)`` mesh that FSDP1's ``process_group=(shard, replicate)``
     pair describes. Collective over the world: every rank tells the others its shard group."""
-    mine = torch.tensor(dist.get_process_group_ranks(shard_group), device=_comm.comm_device(None))
-    rows = _comm.all_gather(mine, None)
+    mine = torch.tensor(dist.get_process_group_ranks(shard_group), device=comm.comm_device(None))
+    rows = comm.all_gather(mine, None)
     unique = list({tuple(row.tolist()): None for row in rows})
     column = dist.get_process_group_ranks(replicate_group)
     index = dist.get_rank(shard_group)

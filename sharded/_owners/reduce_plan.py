@@ -11,7 +11,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ._flat import plan_buckets, wire_dtype_for
+from .._common.flat import plan_buckets, wire_dtype_for
 
 __all__ = ["FIRST_BUCKET_BYTES", "ReduceBucket", "plan_reduce_buckets"]
 
@@ -23,7 +23,7 @@ fairscale's constructor has no argument for it. Without it, a model that one def
 (``reduce_buffer_size``) mostly holds sends nothing until its backward is nearly over; with it,
 the first gradients ready leave at once. It is also the size of the first piece Dynamo's
 DDPOptimizer cuts from a compiled graph, so under ``torch.compile`` the first bucket is complete
-when the first compiled piece's backward is (see :mod:`sharded._compile_split`). Reduction is
+when the first compiled piece's backward is (see :mod:`sharded._owners.compile_split`). Reduction is
 element-wise, so where the windows are cut never changes the results.
 """
 

@@ -16,12 +16,12 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from ._flat import plan_buckets
-from ._grad_router import MAX_SENDS_IN_FLIGHT
-from ._memory_estimate import DDP_BUCKET_BYTES, OSS_BUCKET_NUMEL, Layout
-from ._memory_trial import ActivationProfile
-from ._partition import Partition
-from ._reduce_plan import ReduceBucket, plan_reduce_buckets
+from .._common.flat import DEFAULT_BUCKET_NUMEL, plan_buckets
+from .._owners.grad_router import MAX_SENDS_IN_FLIGHT
+from .._owners.partition import Partition
+from .._owners.reduce_plan import ReduceBucket, plan_reduce_buckets
+from .layout import DDP_BUCKET_BYTES, Layout
+from .trial import ActivationProfile
 
 __all__ = ["replicated_layout"]
 
@@ -56,7 +56,7 @@ def replicated_layout(
         backward = grad_bytes + _keep_all_walk(ready, profile, declared_activations)
         return Layout(param_bytes, grad_bytes, grad_bytes, backward, grad_bytes, 2 * param_bytes, 0,
                       shapes, sent, calls, share)
-    buckets = plan_reduce_buckets(ready, partition.owner_of(), OSS_BUCKET_NUMEL, False)
+    buckets = plan_reduce_buckets(ready, partition.owner_of(), DEFAULT_BUCKET_NUMEL, False)
     owned_grads = sum(_nbytes(p) for p in owned)
     if profile is None:
         in_flight = _reduce_window_bytes(buckets, busiest)
@@ -151,7 +151,7 @@ def _broadcast_count(partition: Partition, params: Sequence[torch.Tensor]) -> in
     total = 0
     for rank in range(partition.world_size):
         owned = [p for p in params if partition.owners[index[p]] == rank]
-        total += len(plan_buckets(owned, OSS_BUCKET_NUMEL))
+        total += len(plan_buckets(owned, DEFAULT_BUCKET_NUMEL))
     return total
 
 

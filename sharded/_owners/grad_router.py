@@ -47,9 +47,9 @@ from typing import NoReturn, Optional, Sequence, cast
 import torch
 import torch.distributed as dist
 
-from . import _comm
-from ._reduce_pass import Fill, Pass
-from ._reduce_plan import plan_reduce_buckets
+from .._common import comm
+from .reduce_pass import Fill, Pass
+from .reduce_plan import plan_reduce_buckets
 
 # Reduces of other owners' buckets a rank keeps in flight during backward before it waits for
 # the oldest: bounds the buffers held when the backward outruns the communication (a starved
@@ -123,7 +123,7 @@ class GradRouter:
         self,
         params: Sequence[torch.Tensor],
         owner_of: dict[torch.Tensor, int],
-        group: _comm.ProcessGroup,
+        group: comm.ProcessGroup,
         bucket_numel: int,
         reduce_fp16: bool,
         names: Optional[dict[torch.Tensor, str]] = None,
@@ -131,8 +131,8 @@ class GradRouter:
         optimizer_keys: Sequence[int] = (),
     ) -> None:
         self.group = group
-        self.rank = _comm.group_rank(group)
-        self.world_size = _comm.group_size(group)
+        self.rank = comm.group_rank(group)
+        self.world_size = comm.group_size(group)
         self.params = tuple(params)
         self._owner_of = owner_of
         self._bucket_numel = bucket_numel
@@ -245,8 +245,8 @@ class GradRouter:
         if not indices:
             return
         held = [i for i in indices if self._still_spoiled(i)]
-        flag = torch.tensor([max(held, default=-1)], dtype=torch.int64, device=_comm.comm_device(self.group))
-        _comm.all_reduce(flag, self.group, dist.ReduceOp.MAX)
+        flag = torch.tensor([max(held, default=-1)], dtype=torch.int64, device=comm.comm_device(self.group))
+        comm.all_reduce(flag, self.group, dist.ReduceOp.MAX)
         for i in indices:
             del self._spoiled[i]
         index = int(flag.item())
@@ -380,9 +380,9 @@ class GradRouter:
         reduce takes again (held and not reached by the backward, its bucket still to leave)."""
         for index in list(self._held_after_step):
             self._note_held(index, self.params[index].grad)
-        flags = torch.zeros(len(self.params), dtype=torch.int32, device=_comm.comm_device(self.group))
+        flags = torch.zeros(len(self.params), dtype=torch.int32, device=comm.comm_device(self.group))
         flags[sorted(self._added_to_held)] = 1
-        _comm.all_reduce(flags, self.group, dist.ReduceOp.MAX)
+        comm.all_reduce(flags, self.group, dist.ReduceOp.MAX)
         spoiled = flags.nonzero().flatten().tolist()
         self._spoiled.update((i, None) for i in spoiled)
         self._added_to_held.clear()
@@ -536,7 +536,7 @@ class GradRouter:
 
     def _send(self, fill: Fill, is_correction: bool) -> None:
         with torch.profiler.record_function("sharded::reduce_bucket"):
-            work = _comm.start_reduce(fill.buffer, fill.bucket.owner, self.group)
+            work = comm.start_reduce(fill.buffer, fill.bucket.owner, self.group)
         self._pass.in_flight.append((fill, work, is_correction))
 
     def _release_sent_buckets(self) -> None:
@@ -599,8 +599,8 @@ class GradRouter:
         needs = torch.zeros(len(self.buckets), dtype=torch.int32)
         for index in bw.late:
             needs[self._location[index][0]] = 1
-        needs = needs.to(_comm.comm_device(self.group))
-        _comm.all_reduce(needs, self.group, dist.ReduceOp.MAX)
+        needs = needs.to(comm.comm_device(self.group))
+        comm.all_reduce(needs, self.group, dist.ReduceOp.MAX)
         for b in needs.nonzero().flatten().tolist():
             fill = Fill(self.buckets[b], b)
             bw.hold(fill.nbytes)
@@ -651,8 +651,8 @@ class GradRouter:
             self._graph_fixed = True
             used = torch.zeros(len(self.params), dtype=torch.int32)
             used[list(self._used_here)] = 1
-            used = used.to(_comm.comm_device(self.group))
-            _comm.all_reduce(used, self.group, dist.ReduceOp.MAX)  # once: every rank learns the set
+            used = used.to(comm.comm_device(self.group))
+            comm.all_reduce(used, self.group, dist.ReduceOp.MAX)  # once: every rank learns the set
             self._used = [bool(flag) for flag in used.tolist()]
             self._used_slots = [[self._used[i] for i in members] for members in self._members]
             self._used_here = set()
@@ -681,8 +681,8 @@ class GradRouter:
         never = len(self.params) + 1
         seen_at = [bw.completed_at[i] or never for i in range(len(self.params))]
         order = sorted(range(len(self.params)), key=lambda i: (seen_at[i], position[self.params[i]]))
-        agreed = torch.tensor(order, dtype=torch.int64, device=_comm.comm_device(self.group))
-        _comm.broadcast(agreed, 0, self.group, async_op=False)
+        agreed = torch.tensor(order, dtype=torch.int64, device=comm.comm_device(self.group))
+        comm.broadcast(agreed, 0, self.group, async_op=False)
         return [self.params[i] for i in agreed.tolist()]
 
     def _grads_cleared_on_every_rank(self, except_param: Optional[torch.Tensor]) -> bool:
@@ -695,6 +695,6 @@ class GradRouter:
         """
         handed = (self.params[i] for i in self._held_after_step)
         cleared = all(p.grad is None or not p.grad.any() for p in handed if p is not except_param)
-        flag = torch.tensor([float(cleared)], device=_comm.comm_device(self.group))
-        _comm.all_reduce(flag, self.group, dist.ReduceOp.MIN)
+        flag = torch.tensor([float(cleared)], device=comm.comm_device(self.group))
+        comm.all_reduce(flag, self.group, dist.ReduceOp.MIN)
         return bool(flag.item())

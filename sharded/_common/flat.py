@@ -1,7 +1,7 @@
 """Flat storage for many tensors: grouping into size-bounded buckets, packing and unpacking.
 
-Pure tensor plumbing with no communication, so the collectives in :mod:`sharded._comm` can move
-one large contiguous buffer instead of many small ones.
+Pure tensor plumbing with no communication, so the collectives in :mod:`sharded._common.comm` can
+move one large contiguous buffer instead of many small ones.
 """
 
 from __future__ import annotations
@@ -11,7 +11,20 @@ from typing import Iterable, Sequence
 
 import torch
 
-__all__ = ["group_by_device_and_dtype", "plan_buckets", "flatten", "unflatten_into", "move_into_flat", "lives_in", "wire_dtype_for"]
+__all__ = [
+    "DEFAULT_BUCKET_NUMEL",
+    "group_by_device_and_dtype",
+    "plan_buckets",
+    "flatten",
+    "unflatten_into",
+    "move_into_flat",
+    "lives_in",
+    "wire_dtype_for",
+]
+
+# Most elements per bucket unless the user says otherwise (32 MiB of float32): fairscale's
+# broadcast_buffer_size and reduce_buffer_size, and the FSDP wrapper's sync_module_states buckets.
+DEFAULT_BUCKET_NUMEL = 2**23
 
 
 def group_by_device_and_dtype(

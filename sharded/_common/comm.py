@@ -17,7 +17,7 @@ from typing import Any, Optional, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from ._errors import on_rank
+from .errors import on_rank
 
 ProcessGroup = Optional[dist.ProcessGroup]
 

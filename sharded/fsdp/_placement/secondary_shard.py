@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .. import _comm
-from .._errors import on_rank
-from ._mesh import MeshInfo
+from ..._common import comm
+from ..._common.errors import on_rank
+from .mesh import MeshInfo
 
 __all__ = ["SecondaryShard", "secondary_shard_for"]
 
@@ -56,7 +56,7 @@ def secondary_shard_for(info: MeshInfo, world: int) -> SecondaryShard:
         ))
     key = (dist.distributed_c10d._get_default_group(), rows)
     if key not in _GROUPS:
-        _GROUPS[key] = _comm.new_group_of_this_rank(rows)
+        _GROUPS[key] = comm.new_group_of_this_rank(rows)
     me = dist.get_rank()
     row = next(row for row in rows if me in row)
     return SecondaryShard(_GROUPS[key], world, row.index(me))

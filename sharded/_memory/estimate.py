@@ -1,8 +1,8 @@
 """How many bytes the busiest rank holds at its worst moment of a training step, per ZeRO stage.
 
 Nothing is allocated: the model may be on the meta device. The placement comes from the planners
-the stages really use (:class:`~sharded._partition.Partition` for ZeRO-1/2, the reduce buckets of
-:func:`~sharded._reduce_plan.plan_reduce_buckets`, the units ``FullyShardedDataParallel`` would
+the stages really use (:class:`~sharded._owners.partition.Partition` for ZeRO-1/2, the reduce buckets of
+:func:`~sharded._owners.reduce_plan.plan_reduce_buckets`, the units ``FullyShardedDataParallel`` would
 wrap and their padded shard slots for ZeRO-3); the optimizer state and the step's temporaries
 come from stepping the optimizer itself on meta tensors; activations from a trial forward and
 backward on fake tensors, when an example input is given.
@@ -18,29 +18,15 @@ allocated by then beyond tensors, measured on CPU/gloo (see ``RUNTIME_BYTES``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
-from ._memory_trial import ActivationProfile, activation_trial, optimizer_trial
+from .layout import RUNTIME_BYTES, STAGE_NAMES
+from .trial import ActivationProfile, activation_trial, optimizer_trial
 
 __all__ = ["MemoryEstimate", "estimate_memory", "RUNTIME_BYTES", "STAGE_NAMES"]
-
-# RUNTIME_BYTES: what a CPU rank's data grows by over its first training steps beyond the
-# tensors (malloc's small-object heaps, thread stacks, autograd and gloo bookkeeping). Measured on
-# CPU, gloo, torch 2.13, ranks started with MALLOC_MMAP_THRESHOLD_=65536, as the rise of VmHWM
-# less the rise of RssFile (file pages of torch's own code, which vary with the machine) over the
-# resident set after the imports and init_process_group, minus the tensors alive at the peak:
-# 1.8-2.3 MiB for DDP and ZeRO-1 on the 67M-parameter MLP of tests/test_memory_estimate.py at
-# world 2 and 3, where the peak is the optimizer step. On CUDA, where max_memory_allocated
-# counts tensors only, pass runtime_bytes=0.
-RUNTIME_BYTES = 2 * 2**20
-
-STAGE_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
-DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb
-OSS_BUCKET_NUMEL = 2**23  # OSS broadcast_buffer_size / ShardedDataParallel reduce_buffer_size
-
 
 @dataclass(frozen=True)
 class MemoryEstimate:
@@ -134,11 +120,11 @@ def estimate_memory(
     profile = _activation_profile(model, example_input, loss_fn, activation_bytes, device)
     activations = profile.peak if profile is not None else int(activation_bytes or 0)
     if stage == 3:
-        from ._memory_zero3 import zero3_layout
+        from .zero3 import zero3_layout
 
         layout = zero3_layout(model, world_size, wrap, mixed_precision, reshard_after_forward, device, profile, activations)
     else:
-        from ._memory_replicated import replicated_layout
+        from .replicated import replicated_layout
 
         layout = replicated_layout(model, world_size, stage, profile, activations, device)
     trial = optimizer_trial(optimizer, kwargs, layout.optimizer_shapes)
@@ -163,29 +149,6 @@ def estimate_memory(
         largest_share=layout.largest_share,
         phases=phases,
     )
-
-
-@dataclass(frozen=True)
-class Layout:
-    """What one stage places on its busiest rank, before the optimizer and activations.
-
-    ``backward_bytes``: activations, gradients and communication buffers held at backward's
-    worst moment;
-    ``held_in_step``: communication buffers still held during the optimizer step (DDP's
-    buckets); ``build_bytes``: the most held while the model is built and wrapped.
-    """
-
-    parameters: int
-    gradients: int
-    communication: int
-    backward_bytes: int
-    held_in_step: int
-    build_bytes: int
-    largest_unit_bytes: int
-    optimizer_shapes: list[tuple[torch.Size, torch.dtype]]
-    bytes_sent: int
-    collectives: int
-    largest_share: float
 
 
 def _compute_device(model: nn.Module) -> torch.device:

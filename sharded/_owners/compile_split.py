@@ -11,27 +11,28 @@ Dynamo applies that split to any frame it compiles while
 ``DistributedDataParallel._get_active_ddp_module()`` returns something, reading only its
 ``bucket_bytes_cap``. DDP sets it around its inner module's forward; torch's composable
 ``replicate`` sets it from forward hooks. Torch offers no public way to ask for the split, so
-:func:`split_compiled_graphs` does what ``replicate`` does, with a stand-in that carries only the
+:func:`graph_splitter` does what ``replicate`` does, with a stand-in that carries only the
 bucket size. Should a future torch drop the attribute, the context does nothing: the results stay
 the same and only the overlap is lost.
 
 The first piece is small whatever the bucket size: DDPOptimizer cuts it at DDP's first-bucket
 size (``_DEFAULT_FIRST_BUCKET_BYTES``; Dynamo passes it no other, so the stand-in has nothing more
 to carry), and the reduce plan's first bucket is no larger
-(:data:`sharded._reduce_plan.FIRST_BUCKET_BYTES`), so it leaves as soon as that piece's backward
+(:data:`sharded._owners.reduce_plan.FIRST_BUCKET_BYTES`), so it leaves as soon as that piece's backward
 is done.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+import functools
+from typing import Callable, ContextManager, Iterator
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["split_compiled_graphs", "split_bytes_for"]
+__all__ = ["graph_splitter", "split_bytes_for"]
 
 # DDPOptimizer cuts its first piece at this many bytes (DDP's small first bucket) and refuses a
 # bucket cap below it.
@@ -59,9 +60,17 @@ def split_bytes_for(bucket_numel: int, params: list[torch.Tensor]) -> int:
     return max(bucket_numel * itemsize, _FIRST_PIECE_BYTES)
 
 
-@contextlib.contextmanager
-@torch.compiler.disable(recursive=False)
-def split_compiled_graphs(bucket_bytes: int) -> Iterator[None]:
+@functools.cache
+def graph_splitter() -> Callable[[int], ContextManager[None]]:
+    """:func:`_split_compiled_graphs`, which Dynamo must not trace, as a context manager.
+
+    Built on first use, not at import: ``torch.compiler.disable`` imports Dynamo (and with it
+    DTensor and torch's FSDP, seconds of start-up) that ``import sharded`` must not pay for.
+    """
+    return contextlib.contextmanager(torch.compiler.disable(_split_compiled_graphs, recursive=False))
+
+
+def _split_compiled_graphs(bucket_bytes: int) -> Iterator[None]:
     """Inside, frames Dynamo compiles for the first time are split into bucket-sized graphs.
 
     Only compilation is affected: a graph compiled earlier outside the context is reused as it

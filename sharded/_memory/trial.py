@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ._optim_state import constructor_kwargs
+from .._common.optimizers import constructor_kwargs
 
 __all__ = ["LiveBytes", "OptimizerTrial", "optimizer_trial", "ActivationProfile", "activation_trial"]
 

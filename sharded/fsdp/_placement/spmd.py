@@ -17,34 +17,17 @@ flattened one, as torch places them). Replicate-only (DDP) units raise ``NotImpl
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, Optional
 
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .._errors import on_rank
-from ._layout import DTensorLayout, contiguous_stride
-from ._mesh import MeshInfo
+from ..._common.errors import on_rank
+from .dtensor import DTensorLayout, contiguous_stride
+from .mesh import MeshInfo, SpmdDims
 
-__all__ = ["SpmdDims", "resolve_spmd_mesh", "spmd_layout"]
-
-
-@dataclass(frozen=True)
-class SpmdDims:
-    """Where the data-parallel dims are in the SPMD mesh the parameters live on."""
-
-    mesh: DeviceMesh
-    shard: tuple[int, ...]  # the dims parameters are sharded over (consecutive; flattened if several)
-    replicate: tuple[int, ...]  # the dims gradients are all-reduced over (hybrid), if any
-    sharded_mesh: DeviceMesh  # where sharded parameters live: ``mesh``, or with the shard dims flattened
-    sharded_dims: tuple[Optional[int], ...]  # per dim of it, the dim of ``mesh`` whose placement it takes
-                                              # (None: Replicate(), the flattened replicas)
-
-    @property
-    def data_parallel(self) -> frozenset[int]:
-        return frozenset((*self.shard, *self.replicate))
+__all__ = ["resolve_spmd_mesh", "spmd_layout"]
 
 
 def resolve_spmd_mesh(mesh: Optional[DeviceMesh], dp_mesh_dims: Any) -> MeshInfo:

@@ -14,7 +14,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from . import _comm
+from . import comm
 
 __all__ = [
     "as_param_groups",
@@ -94,16 +94,16 @@ def check_param_list(params: Sequence[object], where: str, rank: int) -> None:
 
 
 def check_same_across_ranks(
-    named_tensors: Sequence[tuple[str, torch.Tensor]], group: _comm.ProcessGroup, what: str
+    named_tensors: Sequence[tuple[str, torch.Tensor]], group: comm.ProcessGroup, what: str
 ) -> None:
     """Collective: raise on every rank unless all ranks hold tensors of the same names,
     shapes, dtypes and trainability in the same order.
 
     ``what`` says what is being compared in messages, e.g. ``"OSS parameters"``.
     """
-    if _comm.group_size(group) == 1:
+    if comm.group_size(group) == 1:
         return
-    counts = _comm.all_gather_lengths(len(named_tensors), group)
+    counts = comm.all_gather_lengths(len(named_tensors), group)
     if len(set(counts)) > 1:
         listing = ", ".join(f"rank {r}: {n}" for r, n in enumerate(counts))
         raise ValueError(f"{what} differ across ranks: different counts ({listing})")
@@ -112,9 +112,9 @@ def check_same_across_ranks(
     signatures = torch.tensor(
         [_signature(name, t) for name, t in named_tensors],
         dtype=torch.int64,
-        device=_comm.comm_device(group),
+        device=comm.comm_device(group),
     )
-    gathered = torch.stack(_comm.all_gather(signatures, group))
+    gathered = torch.stack(comm.all_gather(signatures, group))
     differs = (gathered != gathered[0]).any(dim=0)
     if not differs.any():
         return
@@ -133,12 +133,12 @@ def _signature(name: str, t: torch.Tensor) -> int:
     return zlib.crc32(text.encode())
 
 
-def _gather_description(t: torch.Tensor, group: _comm.ProcessGroup) -> list[str]:
+def _gather_description(t: torch.Tensor, group: comm.ProcessGroup) -> list[str]:
     """Every rank's shape, dtype and trainability of its ``t``, as text."""
     dims = list(t.shape)[:_MAX_DIMS]
     code = [t.dim(), zlib.crc32(str(t.dtype).encode()), int(t.requires_grad)]
     encoded = torch.tensor(code + dims + [0] * (_MAX_DIMS - len(dims)), dtype=torch.int64)
-    gathered = _comm.all_gather(encoded.to(_comm.comm_device(group)), group)
+    gathered = comm.all_gather(encoded.to(comm.comm_device(group)), group)
     dtype_names = {zlib.crc32(str(d).encode()): str(d) for d in _KNOWN_DTYPES}
     return [
         f"shape {tuple(g[3 : 3 + int(g[0])].tolist())}, "

@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .._errors import on_rank
+from ..._common.errors import on_rank
 
 __all__ = ["DTensorLayout", "layout_for", "local_tensor_of", "contiguous_stride"]
 

@@ -16,8 +16,8 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
-from . import _comm
-from ._flat import (
+from . import comm
+from .flat import (
     flatten,
     group_by_device_and_dtype,
     lives_in,
@@ -146,7 +146,7 @@ class PendingBroadcasts:
 
 def start_broadcasts(
     buckets: Sequence[Bucket],
-    group: _comm.ProcessGroup,
+    group: comm.ProcessGroup,
     wire_dtype: Optional[torch.dtype] = None,
 ) -> PendingBroadcasts:
     """Start overwriting every rank's copy of each bucket's tensors with the values on its ``src``.
@@ -156,15 +156,15 @@ def start_broadcasts(
     its exact values, so rounding never accumulates from step to step. Call ``wait()`` on the
     result before the tensors are read.
     """
-    me = _comm.group_rank(group)
+    me = comm.group_rank(group)
     in_flight = []
-    if _comm.group_size(group) > 1:
+    if comm.group_size(group) > 1:
         for bucket in buckets:
             dtype = wire_dtype_for(bucket.tensors[0].dtype, wire_dtype)
             home = _home(bucket)
             in_place = home is not None and home.dtype == dtype
             message = _message(bucket, home, dtype, sending=me == bucket.src)
-            work = _comm.broadcast(message, bucket.src, group)
+            work = comm.broadcast(message, bucket.src, group)
             in_flight.append((bucket, message, in_place, work))
     return PendingBroadcasts(me, in_flight)
 

@@ -18,8 +18,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import _comm
-from ._errors import on_rank
+from . import comm
+from .errors import on_rank
 
 __all__ = ["norm_term", "all_reduce_term", "total_norm", "scale_by_norm_", "clip_by_global_norm"]
 
@@ -41,11 +41,11 @@ def all_reduce_term(term: torch.Tensor, group: Optional[dist.ProcessGroup], norm
     makes the result NaN, as torch's norm of the whole would be; SUM propagates it, but MAX
     (gloo's at least) drops it, so the inf-norm sends a NaN flag beside its term."""
     if norm_type != INF:
-        _comm.all_reduce(term, group, dist.ReduceOp.SUM)
+        comm.all_reduce(term, group, dist.ReduceOp.SUM)
         return term
     is_nan = term.isnan()
     both = torch.stack([torch.where(is_nan, 0.0, term), is_nan.to(term.dtype)])
-    _comm.all_reduce(both, group, dist.ReduceOp.MAX)
+    comm.all_reduce(both, group, dist.ReduceOp.MAX)
     return torch.where(both[1] > 0, float("nan"), both[0])
 
 
@@ -87,7 +87,7 @@ def clip_by_global_norm(
     Collective. Returns the global norm before clipping (a 0-dim fp32 tensor), as torch does.
     """
     norm_type = float(norm_type)
-    term = norm_term(grads, norm_type, _comm.comm_device(group))
+    term = norm_term(grads, norm_type, comm.comm_device(group))
     total = total_norm([all_reduce_term(term, group, norm_type)], norm_type)
     scale_by_norm_(grads if clip is None else clip, total, max_norm, norm_type, error_if_nonfinite)
     return total

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from .oss import OSS
+from ..oss import OSS
 
 __all__ = ["ParamWaits"]
 

@@ -1,7 +1,7 @@
 """One backward's reduction in progress: the bucket buffers being filled, and the bookkeeping of
 which gradients arrived, how often, and which came too late for their bucket.
 
-Plain state with no communication; :class:`sharded._grad_router.GradRouter` drives it.
+Plain state with no communication; :class:`sharded._owners.grad_router.GradRouter` drives it.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Callable, Optional, Sequence, cast
 import torch
 import torch.distributed as dist
 
-from ._reduce_plan import ReduceBucket
+from .reduce_plan import ReduceBucket
 
 __all__ = ["Fill", "Pass"]
 

@@ -1,0 +1,14 @@
+"""Layers 1-2 (ZeRO-1 ``OSS``, ZeRO-2 ``ShardedDataParallel``): one owner rank per parameter.
+
+- :mod:`.partition`: which rank owns which parameter, balanced (a frozen plan, rebuilt and
+  swapped in when the trainable set or the param groups change).
+- :mod:`.optim_state`: each owner's optimizer-state shard, and the full state dict assembled from
+  and split into shards.
+- :mod:`.reduce_plan`, :mod:`.reduce_pass`: the gradient buckets, each reduced to its owner, and
+  one backward's fill of them.
+- :mod:`.grad_router`: the hooks that send each gradient to its owner during backward.
+- :mod:`.param_waits`: hooks that wait for an updated parameter's broadcast just before use.
+- :mod:`.compile_split`: splitting a compiled graph where a reduce bucket ends.
+
+The public modules on top are :mod:`sharded.oss` and :mod:`sharded.sharded_ddp`.
+"""
