@@ -44,7 +44,7 @@ import traceback
 import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -219,7 +219,9 @@ def warm_up(ctx: Context) -> None:
 
 
 def check_stages(ctx: Context) -> Outcome:
-    s, figures, params = ctx.size, {}, {}
+    s = ctx.size
+    figures: dict[str, dict[str, Any]] = {}
+    params: dict[str, list[torch.Tensor]] = {}
     warm_up(ctx)
     for impl in IMPLS:
         peak = PeakMemory(ctx.device)
@@ -284,7 +286,8 @@ def _scaled_run(ctx: Context, impl: str, ours: bool) -> tuple[list[float], list[
     poisoned: list[Any] = []
 
     def poison(module: nn.Module, args: Any) -> None:  # the weight the forward uses (gathered under ZeRO-3 / FSDP2)
-        poisoned.append(module.weight.register_hook(lambda grad: torch.full_like(grad, float("inf"))))
+        weight = cast(torch.Tensor, module.weight)
+        poisoned.append(weight.register_hook(lambda grad: torch.full_like(grad, float("inf"))))
 
     scales, skipped = [], []
     for step in range(ctx.size.warmup + ctx.size.steps):
@@ -409,7 +412,10 @@ def check_compile(ctx: Context) -> Outcome:
     figures = {"backend": ctx.compile_backend, "first_step_s": round(runs["compiled"][0][0], 3),
                "compiled_step_ms": median_ms(runs["compiled"][0][s.warmup:]), "eager_step_ms": median_ms(runs["eager"][0][s.warmup:]),
                "max_param_diff": gap, "max_loss_diff": loss_gap}
-    return Outcome(gap <= COMPILE_ATOL and loss_gap <= COMPILE_ATOL, figures, [f"blocks.0 compiled, ZeRO-3, SGD; passes within {COMPILE_ATOL}"])
+    notes = [f"blocks.0 compiled, ZeRO-3, SGD; passes within {COMPILE_ATOL} of eager"]
+    if ctx.compile_backend != "inductor":
+        notes.append(f"backend {ctx.compile_backend}, not inductor: inductor's C++ build of this block took 69 s on a 2-core CI machine")
+    return Outcome(gap <= COMPILE_ATOL and loss_gap <= COMPILE_ATOL, figures, notes)
 
 
 CHECKS: dict[str, Callable[[Context], Outcome]] = {
