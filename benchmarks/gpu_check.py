@@ -441,7 +441,7 @@ def device_tests_check(junit: Path) -> Callable[[Context], Outcome]:
             skip = c.find("skipped")
             if skip is not None:
                 skips[skip.get("message", "")] = skips.get(skip.get("message", ""), 0) + 1
-        figures = {"tests": len(cases), "failed": failed, "skipped": sum(skips.values()), "passed": len(cases) - len(failed) - sum(skips.values()),
+        figures = {"modules": sorted({c.get("classname", "") for c in cases}), "tests": len(cases), "failed": failed, "skipped": sum(skips.values()), "passed": len(cases) - len(failed) - sum(skips.values()),
                    "skip_reasons": skips}
         return Outcome(bool(cases) and not failed, figures)
 

@@ -47,8 +47,8 @@ def test_the_cpu_path_runs_every_check_and_writes_one_report(tmp_path, gpu_check
     stages = report["checks"]["stages"]["figures"]
     assert set(stages) == set(gpu_check.IMPLS) and all(f["step_ms"] > 0 and f["max_diff_to_ddp"] <= 1e-3 for f in stages.values())
     assert set(report["checks"]["memory_estimate"]["figures"]) == {"DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3"}
-    assert report["checks"]["device_tests"]["figures"] | {"skip_reasons": None} == {
-        "tests": 2, "failed": [], "skipped": 1, "passed": 1, "skip_reasons": None}
+    assert report["checks"]["device_tests"]["figures"] == {
+        "modules": ["tests.test_x"], "tests": 2, "failed": [], "skipped": 1, "passed": 1, "skip_reasons": {"why": 1}}
     markdown = (out / "report.md").read_text()
     assert all(f"## {name}: passed" in markdown for name in report["checks"]), markdown[:2000]
 
@@ -60,11 +60,17 @@ def test_a_check_that_raises_fails_the_report_and_the_exit_status(tmp_path, gpu_
     def fine(ctx):
         return gpu_check.Outcome(True, {"figure": 1})
 
+    junit = tmp_path / "failing.xml"
+    junit.write_text('<testsuite><testcase classname="tests.test_x" name="test_a"><failure message="no"/></testcase>'
+                     '<testcase classname="tests.test_x" name="test_b"/></testsuite>')
     ctx = gpu_check.Context(gpu_check.torch.device("cpu"), gpu_check.SIZES["quick"], tmp_path, "aot_eager")
-    results = gpu_check.run_checks(ctx, {"boom": boom, "fine": fine, "tests": gpu_check.device_tests_check(tmp_path / "none.xml")})
-    assert [results[n]["passed"] for n in ("boom", "fine", "tests")] == [False, True, False]
+    checks = {"boom": boom, "fine": fine, "no tests": gpu_check.device_tests_check(tmp_path / "none.xml"),
+              "failing tests": gpu_check.device_tests_check(junit)}
+    results = gpu_check.run_checks(ctx, checks)
+    assert [results[n]["passed"] for n in checks] == [False, True, False, False]
     assert "ZeroDivisionError: a check's own bug" in results["boom"]["error"]
-    assert "pytest wrote no results" in results["tests"]["error"]
+    assert "pytest wrote no results" in results["no tests"]["error"]
+    assert results["failing tests"]["figures"]["failed"] == ["tests.test_x::test_a"]
     report = gpu_check.write_report(ctx, results)
     assert not report["passed"] and "## boom: FAILED" in (tmp_path / "report.md").read_text()
     assert json.loads((tmp_path / "report.json").read_text())["checks"]["fine"]["figures"] == {"figure": 1}
