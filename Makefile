@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: test demo bench clean
+.PHONY: test demo bench gpu-check clean
 
 .PHONY: FORCE
 # The torch spec the venv was built with, rewritten only when TORCH_SPEC differs from it, so that
@@ -43,6 +43,23 @@ bench: $(VENV)/.bench-installed
 	$(BIN)/python benchmarks/bench.py --impls $(LAYERS_12) --zero-worlds '' --out bench_out/layers12
 	$(BIN)/python benchmarks/bench.py --impls $(LAYER_3) --out bench_out/layer3
 	$(BIN)/python benchmarks/report.py bench_out/layers12/bench.json bench_out/layer3/bench.json > bench_out/tables.md
+
+# What only a GPU can show; run it first on any machine lent with one. The device-agnostic tests
+# on CUDA when torch sees a GPU, else on the CPU (the same code: CI runs every line), then
+# benchmarks/gpu_check.py's world-1 checks; one report, gpu_out/report.md and report.json, which
+# also holds the tests' outcome (pytest's own failure does not stop the report: its exit status does).
+# A lent GPU machine has its own CUDA torch and no network: make gpu-check GPU_PYTHON=python3
+# On the CPU these tests run in `make test` anyway: a subset keeps the command within 3 minutes.
+GPU_PYTHON ?= $(BIN)/python
+GPU_CHECK_TESTS := tests/test_device_suite.py tests/test_oss.py tests/test_sharded_ddp.py tests/test_grad_scaler.py \
+	tests/test_fsdp.py tests/test_fsdp_features.py tests/test_checkpoint_resume.py
+GPU_CHECK_CPU_TESTS := tests/test_device_suite.py tests/test_grad_scaler.py tests/test_fsdp.py
+gpu-check: $(if $(filter $(BIN)/python,$(GPU_PYTHON)),$(VENV)/.installed)
+	rm -rf gpu_out && mkdir -p gpu_out
+	-device=$$($(GPU_PYTHON) -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")'); \
+		tests="$(GPU_CHECK_TESTS)"; [ "$$device" = cuda ] || tests="$(GPU_CHECK_CPU_TESTS)"; \
+		SHARDED_TEST_DEVICE=$$device $(GPU_PYTHON) -m pytest -p no:cacheprovider -q -rs --junitxml=gpu_out/device_tests.xml $$tests
+	MALLOC_MMAP_THRESHOLD_=65536 $(GPU_PYTHON) benchmarks/gpu_check.py --out gpu_out --device-tests gpu_out/device_tests.xml
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -23,6 +23,7 @@ from torch.nn import functional as F
 
 from examples.gpt import GPT
 from tests import _harness
+from tests._device import on_test_device
 from tests._models import gpt_loss, token_batch
 
 # Every rank forks from the harness's forkserver: have it import DTensor (layer 3) and what DDP's
@@ -52,6 +53,7 @@ def assert_matches_ddp(ours: nn.Module, ref: nn.Module, what: str, optim=SGD, st
     names = [name for name, _ in ours.named_parameters()]
     mine, theirs = full_tensors(ours.parameters()), [p.detach() for p in ref.parameters()]
     assert len(mine) == len(theirs), f"{what}: {len(mine)} parameters against DDP's {len(theirs)}"
+    mine = [a.to(b.device) for a, b in zip(mine, theirs)]  # an offloaded model's come from the CPU
     if optim[0] is torch.optim.AdamW:
         lr = optim[1]["lr"]
         diffs = torch.cat([(a - b).abs().flatten() for a, b in zip(mine, theirs)])
@@ -127,6 +129,7 @@ class TiedGPT(GPT):
         torch.manual_seed(0)
         super().__init__(64, 32, 2, 2, 16)
         self.head.weight = self.tok.weight
+        on_test_device(self)
 
 
 class UnevenNet(nn.Module):
@@ -142,6 +145,7 @@ class UnevenNet(nn.Module):
         self.lin = nn.Linear(6, 5)
         self.tiny = nn.Linear(5, 2)
         self.out = nn.Linear(2, 3)
+        on_test_device(self)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.emb(tokens).mean(dim=1) * self.scale + self.row
@@ -150,7 +154,7 @@ class UnevenNet(nn.Module):
 
 def uneven_batch(rank: int, step: int):
     g = torch.Generator().manual_seed(30_000 + 100 * step + rank)
-    return torch.randint(0, 7, (5, 4), generator=g), torch.randn(5, 3, generator=g)
+    return on_test_device(torch.randint(0, 7, (5, 4), generator=g)), on_test_device(torch.randn(5, 3, generator=g))
 
 
 def uneven_loss(model: nn.Module, batch) -> torch.Tensor:
@@ -197,6 +201,7 @@ class MixedBag(nn.Module):
         self.two = TwoOutputs(16)
         self.head = nn.Linear(16, 64)
         self.register_buffer("anchor", torch.linspace(-1, 1, 16))
+        on_test_device(self)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         # first call on an input needing no gradient: its backward comes last, after the second

@@ -1,6 +1,7 @@
 """Run a test body on N real ranks: one OS process per rank, gloo, a FileStore rendezvous.
 
-Ranks are forked from a forkserver that has torch, DDP and sharded preloaded, so a launch costs
+Each rank's device and backend come from tests/_device.py (``SHARDED_TEST_DEVICE``; on the CPU,
+gloo at every world size). Ranks are forked from a forkserver that has torch, DDP and sharded preloaded, so a launch costs
 a fraction of a second instead of the seconds a fresh interpreter + ``import torch`` costs per
 rank (see ../shared/TESTING.md). Every rank gets a fresh process and a fresh process group, so
 state never leaks between tests and a failed collective can't poison the next one.
@@ -38,6 +39,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from tests import _device
+
 __all__ = ["AbortAtExitRetried", "RankFailure", "run_on_ranks", "run_job", "assert_same_on_all_ranks"]
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
@@ -45,7 +48,7 @@ GRACE_AFTER_FIRST_ERROR = 3.0  # seconds the other ranks get to report their own
 TEARDOWN_SECONDS = 30.0  # for ranks that reported success to leave the barrier and exit
 ABORTED = -signal.SIGABRT  # a process's exitcode when SIGABRT killed it
 TEARDOWN_FAILED = 3  # a rank's exit code when its teardown raised (a peer died in the barrier)
-_PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch.optim", "sharded", "tests._harness"]
+_PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch.optim", "sharded", "tests._device", "tests._harness"]
 ABORT_AT_EXIT = "terminate called without an active exception"  # what libstdc++ prints before it
 _SECONDARY_ERRORS = ("Connection reset", "Connection closed", "Broken pipe", "Socket closed")
 _context = None
@@ -64,8 +67,9 @@ def run_on_ranks(
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` fresh rank processes.
 
-    Each rank has the default process group initialised (gloo, 60 s collective timeout),
-    ``torch.set_num_threads(1)`` and ``torch.manual_seed(0)``. Returns the per-rank return
+    Each rank has the default process group initialised (the backend of
+    :func:`tests._device.backend_for`: gloo on the CPU; 60 s collective timeout), on CUDA its
+    device set, ``torch.set_num_threads(1)`` and ``torch.manual_seed(0)``. Returns the per-rank return
     values in rank order. Raises :class:`RankFailure` if any rank raises, dies, is still
     running after ``timeout`` seconds, or fails to exit cleanly after reporting success. A
     launch whose only fault is a rank killed by SIGABRT after its body returned (gloo's abort at
@@ -174,13 +178,14 @@ def _exit_story(code: Optional[int]) -> str:
 
 
 def _launch(fn, world_size, args, kwargs, timeout) -> _Launch:
+    device_type = _device.device_type_under_test()
     ctx = _forkserver()
     store_path = tempfile.mktemp(prefix="sharded-store-")
     pipes, procs = [], []
     for rank in range(world_size):
         receiver, sender = ctx.Pipe(duplex=False)
         proc = ctx.Process(
-            target=_rank_main, args=(rank, world_size, fn, args, kwargs, store_path, sender), daemon=True
+            target=_rank_main, args=(rank, world_size, device_type, fn, args, kwargs, store_path, sender), daemon=True
         )
         proc.start()
         sender.close()
@@ -210,9 +215,9 @@ def _report_retry(fn, launch: _Launch) -> None:
 
 def assert_same_on_all_ranks(tensors: list[torch.Tensor], what: str) -> None:
     """Collective: raise unless every rank's ``tensors`` equal rank 0's bit for bit."""
-    world = dist.get_world_size()
+    world, device = dist.get_world_size(), _device.collective_device()
     for index, tensor in enumerate(tensors):
-        mine = tensor.detach().reshape(-1).to(torch.float64)
+        mine = tensor.detach().reshape(-1).to(device, torch.float64)
         gathered = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(gathered, mine)
         differing = [r for r in range(world) if not torch.equal(gathered[r], gathered[0])]
@@ -223,11 +228,20 @@ def assert_same_on_all_ranks(tensors: list[torch.Tensor], what: str) -> None:
 # ----------------------------------------------------------------------------- rank side
 
 
-def _rank_main(rank, world_size, fn, args, kwargs, store_path, sender) -> None:
+def _rank_main(rank, world_size, device_type, fn, args, kwargs, store_path, sender) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    store = dist.FileStore(store_path, world_size)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
+    try:
+        _device.enter_rank(device_type)
+        backend = _device.backend_for(world_size, device_type)
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
+        if device_type == "cuda" and backend == "gloo":
+            _device.install_gloo_cuda_guard()
+    except BaseException:
+        sender.send(("error", f"starting the rank ({device_type}):\n{traceback.format_exc()}", time.time()))
+        sender.close()
+        os._exit(1)
     try:
         value = fn(rank, world_size, *args, **kwargs)
     except BaseException:

@@ -31,11 +31,14 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from sharded import OSS, ShardedDataParallel, ShardedGradScaler, checkpoint, fully_shard
+from tests._device import DEVICE_AGNOSTIC, LAYER3_OVER_GLOO_ON_CUDA, collective_device, device_type_under_test, skip_gloo_on_cuda
 from tests._fsdp_reference import full_tensors
 from tests._harness import assert_same_on_all_ranks, run_on_ranks
 from tests._models import gpt, gpt_loss, token_batch
 from tests.test_checkpoint_resharding import assert_full_equal
 from tests.test_oss import _two_groups
+
+pytestmark = DEVICE_AGNOSTIC
 
 TOTAL_STEPS, SAVED_AT = 6, 3
 POISONED_STEPS = {1: float("inf"), 4: float("nan")}  # a row of the last rank's head gradient: before and after the checkpoint
@@ -48,6 +51,7 @@ CASES = {  # name: (layer, mixed precision)
     "zero3": ("zero3", False),
     "zero3-fp16": ("zero3", True),
 }
+REPLICATED, SHARDED = [c for c, (layer, _) in CASES.items() if layer != "zero3"], [c for c, (layer, _) in CASES.items() if layer == "zero3"]
 
 
 class Run:
@@ -70,14 +74,15 @@ class Run:
             self.wrapped = ShardedDataParallel(self.model, self.optimizer, reduce_buffer_size=0 if pinned else 2**23)
         elif layer != "zero3":
             self.wrapped = DDP(self.model, find_unused_parameters=pinned)
-        self.scaler = ShardedGradScaler(init_scale=INITIAL_SCALE, growth_interval=2, device="cpu", enabled=self.amp)
+        self.device = device_type_under_test()
+        self.scaler = ShardedGradScaler(init_scale=INITIAL_SCALE, growth_interval=2, device=self.device, enabled=self.amp)
 
     def train(self, rank, world, steps, first=0):
         for step in range(first, first + steps):
             self.optimizer.zero_grad()
             poisoned = self.amp and step in POISONED_STEPS and rank == world - 1
             with _poisoned_head_gradient(self.model, POISONED_STEPS[step]) if poisoned else contextlib.nullcontext():
-                with torch.autocast("cpu", dtype=torch.float16) if self.amp else contextlib.nullcontext():
+                with torch.autocast(self.device, dtype=torch.float16) if self.amp else contextlib.nullcontext():
                     loss = gpt_loss(self.wrapped, token_batch(rank, step))
                 self.scaler.scale(loss).backward()
             if self.amp and step in POISONED_STEPS:
@@ -90,7 +95,8 @@ class Run:
         """After a poisoned backward exactly one rank's gradient shard holds the inf/NaN (with a
         single rank, that one); the step must still leave every rank's parameters untouched."""
         local = [_local(p) for p in self.model.parameters()]
-        seeing = torch.tensor(int(any(not torch.isfinite(_local(p.grad)).all() for p in self.model.parameters() if p.grad is not None)))
+        seen = any(not torch.isfinite(_local(p.grad)).all() for p in self.model.parameters() if p.grad is not None)
+        seeing = torch.tensor(int(seen), device=collective_device())
         torch.distributed.all_reduce(seeing)
         assert seeing.item() == 1, f"{seeing.item()} ranks see the poisoned gradient, 1 should"
         before = [t.clone() for t in local]
@@ -129,8 +135,8 @@ def _poisoned_head_gradient(model, value):
             hook.remove()
 
 
-def _train_straight_and_save_midway(rank, world, root):
-    for case in CASES:
+def _train_straight_and_save_midway(rank, world, root, cases):
+    for case in cases:
         straight = Run(case, world)
         straight.train(rank, world, TOTAL_STEPS)
         full = checkpoint.get_state_dict(straight.wrapped, straight.optimizer, full=True)
@@ -143,8 +149,8 @@ def _train_straight_and_save_midway(rank, world, root):
         checkpoint.save(interrupted.state(SAVED_AT), root / case / f"step-{SAVED_AT}")
 
 
-def _resume_and_finish(rank, world, root):
-    for case in CASES:
+def _resume_and_finish(rank, world, root, cases):
+    for case in cases:
         resumed = Run(case, world, seed=1)  # other weights: loading must replace them
         state = resumed.state(step=0)
         checkpoint.load(state, checkpoint.latest_checkpoint(root / case))
@@ -163,7 +169,10 @@ def _resume_and_finish(rank, world, root):
         assert_same_on_all_ranks(full_tensors(resumed.model.parameters()), what)
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path, world_size):
-    run_on_ranks(_train_straight_and_save_midway, world_size, tmp_path, timeout=180)
-    run_on_ranks(_resume_and_finish, world_size, tmp_path, timeout=180)
+@pytest.mark.parametrize("world_size, cases", [
+    pytest.param(world, cases, id=f"{world}-{name}", marks=skip_gloo_on_cuda(world, LAYER3_OVER_GLOO_ON_CUDA) if cases is SHARDED else ())
+    for world in (1, 2, 3) for name, cases in (("replicated", REPLICATED), ("zero3", SHARDED))
+])
+def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path, world_size, cases):
+    run_on_ranks(_train_straight_and_save_midway, world_size, tmp_path, cases, timeout=180)
+    run_on_ranks(_resume_and_finish, world_size, tmp_path, cases, timeout=180)

@@ -8,6 +8,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from tests._device import cpu_only
+
+pytestmark = cpu_only("the budget is an RLIMIT_DATA on host memory")
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--dim", "256", "--layers", "8", "--heads", "4", "--seq", "32", "--batch", "2", "--steps", "2",
         "--budget", "115MiB", "--timeout", "90"]

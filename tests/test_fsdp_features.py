@@ -28,10 +28,20 @@ from tests._fsdp_reference import (
     uneven_batch,
     uneven_loss,
 )
+from tests._device import (
+    DEVICE_AGNOSTIC,
+    LAYER3_OVER_GLOO_ON_CUDA,
+    cpu_only,
+    device_type_under_test,
+    on_test_device,
+    world_sizes,
+)
 from tests._harness import assert_same_on_all_ranks, run_on_ranks
 from tests._models import gpt, gpt_loss, token_batch
 
-WORLD_SIZES = [1, 2, 3]
+pytestmark = DEVICE_AGNOSTIC
+
+WORLD_SIZES = world_sizes(1, 2, 3, gloo_on_cuda=LAYER3_OVER_GLOO_ON_CUDA)
 
 
 # ------------------------------------------------------------------------ mixed precision
@@ -63,7 +73,7 @@ def _check_grad_scaler(rank, world):
     policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
     ours = shard_gpt(gpt(), mp_policy=policy)
     (opt,) = optimizers_for(SGD, ours)
-    scaler = ShardedGradScaler(init_scale=2.0**10, device="cpu")
+    scaler = ShardedGradScaler(init_scale=2.0**10, device=device_type_under_test())
     for step in range(4):
         opt.zero_grad()
         scaler.scale(gpt_loss(ours, token_batch(rank, step))).backward()
@@ -94,8 +104,16 @@ def _check_cpu_offload(rank, world):
     assert all(p.to_local().device.type == "cpu" for p in offloaded.parameters()), "shards must live on the CPU"
     train_both(zip((ref, plain, offloaded), optimizers_for(ADAMW, ref, plain, offloaded)), rank)
     assert all(p.grad.to_local().device.type == "cpu" for p in offloaded.parameters()), "gradients must land on the CPU"
+    # On the CPU both runs step with the same kernels: bit for bit. On CUDA the offloaded AdamW
+    # steps on the CPU and the plain one on the GPU, whose kernels round differently: float32
+    # ulps per step, within the AdamW bound of tests/_fsdp_reference.py.
+    exact = device_type_under_test() == "cpu"
     for a, b in zip(offloaded.parameters(), plain.parameters()):
-        assert torch.equal(a.to_local(), b.to_local()), "offloading changed the numbers"
+        mine, theirs = a.to_local(), b.to_local().to(a.to_local().device)
+        if exact:
+            assert torch.equal(mine, theirs), "offloading changed the numbers"
+        else:
+            assert (mine - theirs).abs().max() <= 0.1 * ADAMW[1]["lr"] * STEPS, "offloading changed the numbers"
     assert_matches_ddp(offloaded, ref.module, "CPU offload", ADAMW)
 
 
@@ -152,6 +170,7 @@ def _wide_batch(rank, step):
     return token_batch(rank, step, vocab=256, seq=16, batch=2)
 
 
+@cpu_only("measures the resident set (VmRSS, VmHWM) that materialising a meta-device model adds")
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_meta_device_init_never_holds_the_full_model(world_size):
     run_on_ranks(_check_meta_init, world_size)
@@ -166,9 +185,10 @@ class CheckpointedGPT(GPT):
     def __init__(self) -> None:
         torch.manual_seed(0)
         super().__init__(64, 32, 2, 2, 16)
+        on_test_device(self)
 
     def forward(self, tokens):
-        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1]))
+        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
         for block in self.blocks:
             x = checkpoint(block, x, use_reentrant=False)
         return self.head(self.ln(x))

@@ -14,9 +14,12 @@ from examples.gpt import GPT
 from sharded._common import comm
 from sharded.fsdp._root import MAX_REDUCTIONS_IN_FLIGHT
 from sharded.fsdp._unit import ShardState, TrainingState, units_under
+from tests._device import cpu_only
 from tests._fsdp_reference import local_bytes, shard_gpt
 from tests._harness import run_on_ranks
 from tests._models import gpt_loss, token_batch
+
+pytestmark = cpu_only("measures host memory and gloo's CPU buffers (VmHWM, malloc)")
 
 
 def _watch_gathered(units):

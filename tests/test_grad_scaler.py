@@ -8,24 +8,28 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from sharded import OSS, ShardedGradScaler
+from tests._device import DEVICE_AGNOSTIC, device_type_under_test, on_test_device
 from tests._harness import assert_same_on_all_ranks, run_on_ranks
 from tests._models import gpt_loss, token_batch
 from tests.test_oss import _assert_close
 from tests.test_sharded_ddp import STEPS, _pair
+
+pytestmark = DEVICE_AGNOSTIC
 
 INF_STEP = 2
 
 
 def _check_amp_skips_together(rank, world, amp_dtype):
     ref, ref_opt, ours, our_opt = _pair()
-    scalers = {id(ref): torch.amp.GradScaler("cpu", init_scale=2.0**10),
-               id(ours): ShardedGradScaler(init_scale=2.0**10, device="cpu")}
+    device = device_type_under_test()
+    scalers = {id(ref): torch.amp.GradScaler(device, init_scale=2.0**10),
+               id(ours): ShardedGradScaler(init_scale=2.0**10, device=device)}
     head_owner = our_opt.param_to_rank[ours.module.head.weight]
     for step in range(STEPS):
         for model, opt in ((ref, ref_opt), (ours, our_opt)):
             scaler = scalers[id(model)]
             opt.zero_grad()
-            with torch.autocast("cpu", dtype=amp_dtype):
+            with torch.autocast(device, dtype=amp_dtype):
                 loss = gpt_loss(model, token_batch(rank, step))
             poison = None
             if step == INF_STEP and rank == world - 1:
@@ -57,13 +61,13 @@ def test_amp_with_sharded_grad_scaler_skips_on_every_rank(world_size, amp_dtype)
 
 def _check_rank_without_parameters(rank, world):
     torch.manual_seed(0)
-    model = nn.Linear(4, 4)  # two parameters: at world 3, rank 2 owns nothing
+    model = on_test_device(nn.Linear(4, 4))  # two parameters: at world 3, rank 2 owns nothing
     opt = OSS(model.parameters(), torch.optim.SGD, lr=0.1)
-    scaler = ShardedGradScaler(init_scale=4.0, device="cpu")
+    scaler = ShardedGradScaler(init_scale=4.0, device=device_type_under_test())
     ddp = DDP(model)
     for step in range(3):
         opt.zero_grad()
-        scaler.scale(ddp(torch.randn(2, 4)).sum()).backward()
+        scaler.scale(ddp(on_test_device(torch.randn(2, 4))).sum()).backward()
         scaler.step(opt)
         scaler.update()
     assert_same_on_all_ranks(list(model.parameters()), "replicas")

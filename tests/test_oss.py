@@ -16,8 +16,11 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from sharded import OSS
+from tests._device import DEVICE_AGNOSTIC
 from tests._harness import assert_same_on_all_ranks, run_on_ranks
 from tests._models import gpt, gpt_loss, token_batch
+
+pytestmark = DEVICE_AGNOSTIC
 
 ATOL, RTOL = 1e-6, 1e-5
 WORLD_SIZES = [1, 2, 3]

@@ -21,9 +21,12 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from sharded import OSS, ShardedDataParallel
+from tests._device import DEVICE_AGNOSTIC, on_test_device
 from tests._harness import assert_same_on_all_ranks, run_on_ranks
 from tests._models import gpt, gpt_loss, token_batch
 from tests.test_oss import _assert_close
+
+pytestmark = DEVICE_AGNOSTIC
 
 WORLD_SIZES = [1, 2, 3]
 STEPS = 5
@@ -262,7 +265,7 @@ class _BatchNormNet(nn.Module):
 
 def _bn_net():
     torch.manual_seed(0)
-    return _BatchNormNet()
+    return on_test_device(_BatchNormNet())
 
 
 def _check_buffers_and_unused(rank, world):
