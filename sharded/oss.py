@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 import logging
 from collections import OrderedDict, defaultdict
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -19,11 +19,11 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from ._common import comm
-from ._common.broadcast import PendingBroadcasts, make_resident, plan_broadcasts, release_residents, start_broadcasts
 from ._common.checks import as_param_groups, check_optimizer_class, check_param_list, check_same_across_ranks, param_list
 from ._common.flat import DEFAULT_BUCKET_NUMEL
 from ._common.norm import clip_by_global_norm
 from ._common.optimizers import hyperparams
+from ._owners.broadcaster import ParamBroadcaster
 from ._owners.optim_state import consolidated_state_dict, restore_state, snapshot_shard, states_by_param
 from ._owners.partition import Partition
 
@@ -79,11 +79,6 @@ class OSS(Optimizer):
     """
 
     _partition: Partition  # set once Optimizer.__init__ has added the initial groups
-    _broadcasts: tuple = ()
-    _pending: Optional[PendingBroadcasts] = None  # broadcasts step() left in flight
-    # Set by ShardedDataParallel(overlap_param_broadcast=True): step() leaves the broadcasts in
-    # flight, and forward pre-hooks wait for each module's buckets just before it runs.
-    _defer_param_waits = False
 
     def __init__(
         self,
@@ -104,8 +99,8 @@ class OSS(Optimizer):
         self.rank = comm.group_rank(self.group)
         self.world_size = comm.group_size(self.group)
         self.global_rank = comm.global_rank(self.group, self.rank)
-        self.broadcast_buffer_size = broadcast_buffer_size
-        self.broadcast_fp16 = broadcast_fp16
+        # The owners' broadcasts after each step (ShardedDataParallel's overlap waits on them).
+        self.broadcaster = ParamBroadcaster(self.group, broadcast_buffer_size, broadcast_fp16)
         self.force_broadcast_object = force_broadcast_object
         self._consolidated: Optional[dict[int, Any]] = None  # global index -> state, on recipients
         self._warned_trainability_change = False
@@ -174,6 +169,26 @@ class OSS(Optimizer):
             by_device[p.device][owner].append(p)
         return dict(by_device)
 
+    # ----------------------------------------------------------------------- broadcasts
+
+    @property
+    def broadcast_buffer_size(self) -> int:
+        """The most elements one broadcast bucket holds (fairscale's option, settable)."""
+        return self.broadcaster.bucket_numel
+
+    @broadcast_buffer_size.setter
+    def broadcast_buffer_size(self, numel: int) -> None:
+        self.broadcaster.bucket_numel = numel
+
+    @property
+    def broadcast_fp16(self) -> bool:
+        """Whether parameters travel as fp16 (fairscale's option, settable)."""
+        return self.broadcaster.wire_fp16
+
+    @broadcast_fp16.setter
+    def broadcast_fp16(self, enabled: bool) -> None:
+        self.broadcaster.wire_fp16 = enabled
+
     # ------------------------------------------------------------------------ stepping
 
     def step(self, closure: Optional[Callable[[], Any]] = None, *args: Any, **kwargs: Any) -> Any:
@@ -189,16 +204,7 @@ class OSS(Optimizer):
         self._push_hyperparams()
         loss = self._step_local_shard(closure, *args, **kwargs)
         self._pull_hyperparams()
-        if not all(b.is_resident() for b in self._broadcasts if b.flat is not None):
-            self._plan_broadcasts()  # e.g. module.to(dtype) gave the parameters new storage
-        with torch.profiler.record_function("sharded::broadcast_params"):
-            wire_dtype = torch.float16 if self.broadcast_fp16 else None
-            frozen = self._stepped_frozen_buckets()
-            pending = start_broadcasts(self._broadcasts + frozen, self.group, wire_dtype)
-            if self._defer_param_waits and not frozen and not pending.done:
-                self._pending = pending
-            else:
-                pending.wait()
+        self.broadcaster.start()
         return loss
 
     def wait_for_params(self) -> None:
@@ -209,46 +215,7 @@ class OSS(Optimizer):
         before reading parameters any other way between ``step()`` and the next forward.
         Local (no collective); a no-op when nothing is in flight.
         """
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.wait()
-
-    def _wait_for_buckets(self, positions: Iterable[int]) -> None:
-        """Complete the broadcasts of the buckets at ``positions`` of the broadcast plan."""
-        pending = self._pending
-        if pending is None:
-            return
-        pending.wait_for(positions)
-        if pending.done:
-            self._pending = None
-
-    def _bucket_positions(self, params: Iterable[torch.Tensor]) -> tuple[int, ...]:
-        """Positions in the broadcast plan of the buckets that hold any of ``params``."""
-        wanted = {id(p) for p in params}
-        return tuple(i for i, b in enumerate(self._broadcasts) if any(id(t) in wanted for t in b.tensors))
-
-    def _stepped_frozen_buckets(self) -> tuple:
-        """Broadcast buckets for the frozen parameters that their owners just stepped.
-
-        Only the owner knows whether a frozen parameter holds a gradient (under ZeRO-2 the
-        others released theirs), so the ranks agree with one small all-reduce; a model without
-        frozen parameters skips it.
-        """
-        frozen = self._partition.frozen_indices()
-        if not frozen or self.world_size == 1:
-            return ()
-        params, owners = self._partition.params, self._partition.owners
-        stepped = torch.tensor(
-            [owners[i] == self.rank and params[i].grad is not None for i in frozen],
-            dtype=torch.int32,
-            device=comm.comm_device(self.group),
-        )
-        comm.all_reduce(stepped, self.group, dist.ReduceOp.MAX)
-        by_owner: list[list[torch.Tensor]] = [[] for _ in range(self.world_size)]
-        for i, was_stepped in zip(frozen, stepped.tolist()):
-            if was_stepped:
-                by_owner[owners[i]].append(params[i])
-        return plan_broadcasts(by_owner, self.broadcast_buffer_size)
+        self.broadcaster.wait()
 
     def _step_local_shard(self, closure: Optional[Callable[[], Any]], *args: Any, **kwargs: Any) -> Any:
         if closure is None:
@@ -340,7 +307,7 @@ class OSS(Optimizer):
         self._warn_if_imbalanced_once(partition)
         for inner, mine in zip(self.optim.param_groups, partition.owned_by_group(self.rank)):
             inner["params"] = mine
-        self._plan_broadcasts()
+        self.broadcaster.plan(partition)
 
     def _warn_if_imbalanced_once(self, partition: Partition) -> None:
         """Whole parameters cannot be split: a large one (an embedding) can leave one rank far
@@ -355,18 +322,6 @@ class OSS(Optimizer):
                 ratio,
                 self.world_size,
             )
-
-    def _plan_broadcasts(self) -> None:
-        """Bucket the trainable parameters by owner, each bucket their storage (no copies to send)."""
-        self.wait_for_params()  # the old buckets' values must land before they are replaced
-        trainable_by_rank = [
-            [self._partition.params[i] for i in self._partition.owned_indices(r, trainable_only=True)]
-            for r in range(self.world_size)
-        ]
-        old = self._broadcasts
-        buckets = make_resident(plan_broadcasts(trainable_by_rank, self.broadcast_buffer_size))
-        self._broadcasts = _in_order_of_use(buckets, self._partition.params)
-        release_residents(old, keep=self._broadcasts)
 
     def _move_state_to_owners(self, new: Partition) -> None:
         """Send what this rank keeps for parameters that ``new`` gives to another rank: their
@@ -501,15 +456,6 @@ class OSS(Optimizer):
                 "refresh_trainable() after changing requires_grad to do this explicitly."
             )
             self._warned_trainability_change = True
-
-
-
-
-def _in_order_of_use(buckets: tuple, params: Sequence[torch.Tensor]) -> tuple:
-    """``buckets`` sorted by their first parameter in ``params`` order (the order a forward
-    usually reads them), so that broadcasts are issued, and arrive, roughly as they are needed."""
-    position = {id(p): i for i, p in enumerate(params)}
-    return tuple(sorted(buckets, key=lambda b: min(position.get(id(t), len(position)) for t in b.tensors)))
 
 
 def _add_hook(hooks: OrderedDict[int, Callable[[OSS], None]], hook: Callable[[OSS], None]) -> RemovableHandle:

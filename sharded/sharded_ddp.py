@@ -130,7 +130,7 @@ class ShardedDataParallel(nn.Module):
         ]
         self._router = self._build_router()
         self._trainability = self._current_trainability()
-        self._param_waits = ParamWaits(module, self.sharded_optimizers) if overlap_param_broadcast else None
+        self._param_waits = ParamWaits(module, [o.broadcaster for o in self.sharded_optimizers]) if overlap_param_broadcast else None
 
     # --------------------------------------------------------------------------- forward
 

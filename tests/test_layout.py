@@ -72,6 +72,17 @@ def _part(module: str) -> str:
     return parts[1] if len(parts) > 1 else "sharded"
 
 
+def test_layers_import_downward_only():
+    upward = [
+        f"{module} imports {target}"
+        for module, targets in _graph().items()
+        if _part(module) != "sharded"  # the package's __init__ re-exports every layer
+        for target in targets
+        if _part(target) != _part(module) and _part(target) not in BELOW[_part(module)]
+    ]
+    assert not upward, "imports running up a layer:\n" + "\n".join(sorted(upward))
+
+
 def test_every_part_is_placed():
     """A new top-level module or package gets its place in ``BELOW`` (and in README's Layout)."""
     parts = {_part(m) for m in _graph()} - {"sharded"}

@@ -155,7 +155,7 @@ def _check_parameters_live_in_their_broadcast_buckets(rank, world):
     oss = OSS(ours.parameters(), torch.optim.Adam, lr=1e-2)
     params = list(ours.parameters())
     # the broadcast buffers are the parameters' storage: one per bucket, nothing to copy
-    assert len(_storages(params)) == len(oss._broadcasts) < len(params)
+    assert len(_storages(params)) == len(oss.broadcaster.buckets) < len(params)
     _train(ref, ref_opt, rank, 2)
     _train(ours, oss, rank, 2)
     for p in params:  # what module.to(...) does: new storage behind the same parameters
@@ -164,11 +164,11 @@ def _check_parameters_live_in_their_broadcast_buckets(rank, world):
     _train(ours, oss, rank, 3, first_step=2)
     _assert_close(ours, ref, "after the parameters got new storage")
     assert_same_on_all_ranks(params, "replicas after the parameters got new storage")
-    assert len(_storages(params)) == len(oss._broadcasts), "the buckets were not rebuilt"
+    assert len(_storages(params)) == len(oss.broadcaster.buckets), "the buckets were not rebuilt"
     ours.blocks[0].requires_grad_(False)
     oss.refresh_trainable()
     trainable = [p for p in params if p.requires_grad]
-    assert len(_storages(trainable)) == len(oss._broadcasts) < len(trainable), "re-partition lost the buckets"
+    assert len(_storages(trainable)) == len(oss.broadcaster.buckets) < len(trainable), "re-partition lost the buckets"
     for name, p in ours.blocks[0].named_parameters():
         assert p.untyped_storage().nbytes() == p.numel() * p.element_size(), (
             f"frozen parameter {name} still pins an old bucket")

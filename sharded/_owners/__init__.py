@@ -7,6 +7,8 @@
 - :mod:`.reduce_plan`, :mod:`.reduce_pass`: the gradient buckets, each reduced to its owner, and
   one backward's fill of them.
 - :mod:`.grad_router`: the hooks that send each gradient to its owner during backward.
+- :mod:`.broadcaster`: after a step, the owners' broadcasts of the updated parameters (their
+  buckets, the parameters living in them, and the waits).
 - :mod:`.param_waits`: hooks that wait for an updated parameter's broadcast just before use.
 - :mod:`.compile_split`: splitting a compiled graph where a reduce bucket ends.
 

@@ -15,16 +15,16 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from ..oss import OSS
+from .broadcaster import ParamBroadcaster
 
 __all__ = ["ParamWaits"]
 
 
 class ParamWaits:
-    """The hooks that complete the deferred parameter broadcasts of ``optimizers`` on use."""
+    """The hooks that complete the deferred broadcasts of ``broadcasters`` on use (one per optimizer)."""
 
-    def __init__(self, module: nn.Module, optimizers: Sequence[OSS]) -> None:
-        self._optimizers = tuple(optimizers)
+    def __init__(self, module: nn.Module, broadcasters: Sequence[ParamBroadcaster]) -> None:
+        self._broadcasters = tuple(broadcasters)
         self._handles: list[Any] = []
         # A compiled module runs its submodules inside one graph: a wait there would break it,
         # so the whole module waits for everything before it runs instead.
@@ -34,23 +34,14 @@ class ParamWaits:
                 own = tuple(sub.parameters(recurse=False))
                 if own:
                     self._hook(sub, own)
-        for optimizer in self._optimizers:
-            optimizer._defer_param_waits = True
+        for broadcaster in self._broadcasters:
+            broadcaster.defer_waits = True
 
     def _hook(self, sub: nn.Module, own: tuple[torch.Tensor, ...]) -> None:
-        # Buckets holding ``own``, per optimizer, cached against the plan they index.
-        cached: list[tuple[Any, tuple[int, ...]]] = [((), ()) for _ in self._optimizers]
-
         @torch.compiler.disable
         def wait_for_own(*_: Any) -> None:
-            for k, optimizer in enumerate(self._optimizers):
-                if optimizer._pending is None:
-                    continue
-                plan, positions = cached[k]
-                if plan is not optimizer._broadcasts:
-                    plan, positions = optimizer._broadcasts, optimizer._bucket_positions(own)
-                    cached[k] = (plan, positions)
-                optimizer._wait_for_buckets(positions)
+            for broadcaster in self._broadcasters:
+                broadcaster.wait_for(own)
 
         self._handles.append(sub.register_forward_pre_hook(lambda m, args: wait_for_own()))
         self._handles.append(sub.register_state_dict_pre_hook(lambda m, prefix, keep_vars: wait_for_own()))
@@ -63,8 +54,8 @@ class ParamWaits:
             self.wait_all()
 
     def wait_all(self) -> None:
-        for optimizer in self._optimizers:
-            optimizer.wait_for_params()
+        for broadcaster in self._broadcasters:
+            broadcaster.wait()
 
     def remove(self) -> None:
         """Complete what is in flight and go back to waiting at the end of each step."""
@@ -72,5 +63,5 @@ class ParamWaits:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        for optimizer in self._optimizers:
-            optimizer._defer_param_waits = False
+        for broadcaster in self._broadcasters:
+            broadcaster.defer_waits = False

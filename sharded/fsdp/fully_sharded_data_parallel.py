@@ -11,15 +11,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import enum
 import functools
-import logging
 import os
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, TypeVar, Union, cast, overload
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -27,51 +23,18 @@ from .._common.broadcast import plan_broadcasts, start_broadcasts
 from .._common.errors import on_rank
 from .._common.flat import DEFAULT_BUCKET_NUMEL
 from ._collect import modules_outside_units
+from ._fsdp1_options import CPUOffload, FSDP1Options, MixedPrecision, ProcessGroups, ShardingStrategy, fsdp1_options
 from ._fsdp_module import FSDPModule
 from ._full_params import full_model_state_dict, load_full_model_state_dict, summon_full_params
 from ._grad_norm import clip_grad_norm_
 from ._placement.mesh import MeshInfo, hybrid_mesh, mesh_from_groups, resolve_mesh
 from ._unit import units_under
 from .api import fully_shard
-from .policies import BackwardPrefetch, CPUOffloadPolicy, MixedPrecisionPolicy
-from .wrap import as_wrap_policy, modules_to_wrap
+from .policies import BackwardPrefetch
+from .wrap import modules_to_wrap
 
 __all__ = ["FullyShardedDataParallel", "ShardingStrategy", "CPUOffload", "MixedPrecision"]
 
-logger = logging.getLogger(__name__)
-
-
-
-class ShardingStrategy(enum.Enum):
-    """What each rank keeps (FSDP1's names)."""
-
-    FULL_SHARD = enum.auto()  # ZeRO-3: parameters freed after forward, gathered again for backward
-    SHARD_GRAD_OP = enum.auto()  # ZeRO-2 communication: parameters kept from forward to backward
-    NO_SHARD = enum.auto()  # DDP: every rank keeps everything, gradients all-reduced
-    HYBRID_SHARD = enum.auto()  # FULL_SHARD within a node, replicated across nodes
-    _HYBRID_SHARD_ZERO2 = enum.auto()  # SHARD_GRAD_OP within a node, replicated across nodes
-
-
-@dataclass(frozen=True)
-class CPUOffload:
-    """``offload_params=True``: shards, gradients and the optimizer step live on the CPU."""
-
-    offload_params: bool = False
-
-
-@dataclass(frozen=True)
-class MixedPrecision:
-    """FSDP1's mixed precision: compute in ``param_dtype``, reduce in ``reduce_dtype`` (default:
-    ``param_dtype``), buffers cast to ``buffer_dtype``; sharded masters keep their dtype."""
-
-    param_dtype: Optional[torch.dtype] = None
-    reduce_dtype: Optional[torch.dtype] = None
-    buffer_dtype: Optional[torch.dtype] = None
-    cast_forward_inputs: bool = False
-    cast_root_forward_inputs: bool = True
-
-
-ProcessGroups = Union[None, dist.ProcessGroup, tuple]
 _Module = TypeVar("_Module", bound=nn.Module)
 _applying: list[nn.Module] = []  # the wrapper whose apply() holds the full parameters now
 
@@ -98,6 +61,8 @@ class _StaticOrFairscale:
         if volatile:
             torch_kwargs.setdefault("writeback", False)
         return self.static(instance, **torch_kwargs)
+
+
 _Destination = TypeVar("_Destination", bound=dict[str, Any])
 
 
@@ -106,7 +71,9 @@ class FullyShardedDataParallel(nn.Module):
 
     ``auto_wrap_policy`` picks the submodules that become units of their own (each gathered and
     freed on its own); the root module becomes the unit for what is left. Build the optimizer
-    after wrapping, from ``model.parameters()``.
+    after wrapping, from ``model.parameters()``. The arguments, in torch FSDP1's, fairscale's or
+    Lightning's spelling, are first read into one :class:`._fsdp1_options.FSDP1Options` (where
+    contradictory spellings raise); the build reads only that.
 
     Args:
         module: the model.
@@ -162,47 +129,34 @@ class FullyShardedDataParallel(nn.Module):
         flatten_parameters: bool = True,
     ) -> None:
         super().__init__()
-        if auto_wrap_policy is not None and fsdp_auto_wrap_policy is not None:
-            raise ValueError(on_rank("pass auto_wrap_policy or its alias fsdp_auto_wrap_policy, not both"))
-        if not use_orig_params:
-            logger.info("use_orig_params=False is treated as True: parameters are always the original ones")
-        if reshard_after_forward is not None:
-            if sharding_strategy is not None:
-                raise ValueError(on_rank("pass sharding_strategy or fairscale's reshard_after_forward, not both"))
-            sharding_strategy = ShardingStrategy.FULL_SHARD if reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
-        if isinstance(cpu_offload, bool):  # fairscale's older spelling of move_params_to_cpu
-            cpu_offload = CPUOffload(offload_params=cpu_offload)
-        if move_params_to_cpu:
-            cpu_offload = CPUOffload(offload_params=True)
-        if isinstance(mixed_precision, bool):  # fairscale: fp16 compute (or compute_dtype), fp32 masters
-            compute = compute_dtype or torch.float16
-            reduce = torch.float32 if fp32_reduce_scatter else compute
-            mixed_precision = MixedPrecision(compute, reduce) if mixed_precision else None
-        strategy = sharding_strategy or ShardingStrategy.FULL_SHARD
-        mesh = _mesh_for(strategy, process_group, device_mesh)
-        device = _device_for(device_id, MeshInfo(mesh).device)
-        if device_id is not None and not _has_meta(module):
-            module.to(device)
-        ignored = frozenset(id(p) for m in ignored_modules or () for p in m.parameters())
-        if mixed_precision is not None and mixed_precision.buffer_dtype is not None:
-            _cast_buffers(module, mixed_precision.buffer_dtype)
-        shard: dict[str, Any] = dict(
-            mesh=mesh,
-            # None: FSDP2's "after forward, except the root" (FSDP1 keeps the root gathered too)
-            reshard_after_forward=None if strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD) else False,
-            offload_policy=CPUOffloadPolicy() if cpu_offload is not None and cpu_offload.offload_params else None,
+        options = fsdp1_options(
+            process_group=process_group,
+            sharding_strategy=sharding_strategy,
+            cpu_offload=cpu_offload,
+            auto_wrap_policy=auto_wrap_policy,
+            backward_prefetch=backward_prefetch,
+            mixed_precision=mixed_precision,
+            ignored_modules=ignored_modules,
+            param_init_fn=param_init_fn,
+            device_id=device_id,
+            sync_module_states=sync_module_states,
+            use_orig_params=use_orig_params,
+            device_mesh=device_mesh,
+            fsdp_auto_wrap_policy=fsdp_auto_wrap_policy,
+            reshard_after_forward=reshard_after_forward,
+            move_params_to_cpu=move_params_to_cpu,
+            compute_dtype=compute_dtype,
+            fp32_reduce_scatter=fp32_reduce_scatter,
         )
-        policy = as_wrap_policy(auto_wrap_policy if auto_wrap_policy is not None else fsdp_auto_wrap_policy)
-        for sub in [*(modules_to_wrap(module, policy, ignored) if policy is not None else []), module]:
-            _materialise(sub, param_init_fn, device)
-            if sync_module_states:
-                _broadcast_from_rank0(sub, mesh)
-            mp_policy = _mp_policy(mixed_precision, root=sub is module)
-            fully_shard(sub, mp_policy=mp_policy, ignored_params=_own(sub, ignored), **shard)
-        for unit in units_under(module):
-            unit.backward_prefetch_timing = backward_prefetch
+        mesh = _mesh_for(options)
+        device = options.device if options.device is not None else MeshInfo(mesh).device
+        if options.device is not None and not _has_meta(module):
+            module.to(device)
+        if options.buffer_dtype is not None:
+            _cast_buffers(module, options.buffer_dtype)
+        _shard_units(module, options, mesh, device)
         self.module = module
-        self.sharding_strategy = strategy
+        self.sharding_strategy = options.strategy
         self.register_load_state_dict_pre_hook(_restore_wrapper_prefix)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -301,17 +255,17 @@ def _restore_wrapper_prefix(
             state_dict[f"{prefix}module.{rest}"] = state_dict.pop(key)
 
 
-def _mesh_for(strategy: ShardingStrategy, process_group: ProcessGroups, device_mesh: Optional[DeviceMesh]) -> DeviceMesh:
-    hybrid = strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
-    if isinstance(process_group, tuple):
-        if not hybrid:
-            raise ValueError(on_rank(f"a (shard_group, replicate_group) pair is for hybrid sharding, not {strategy.name}"))
-        return device_mesh if device_mesh is not None else mesh_from_groups(*process_group)
-    if hybrid:
-        return device_mesh if device_mesh is not None else hybrid_mesh(_ranks_per_node(), process_group)
-    if strategy is ShardingStrategy.NO_SHARD:
+def _mesh_for(options: FSDP1Options) -> DeviceMesh:
+    """The mesh the units shard over: the one given, one built from the groups given, one row
+    per node for hybrid sharding, or one rank per row (nothing sharded) for ``NO_SHARD``."""
+    process_group, given = options.process_group, options.device_mesh
+    if isinstance(process_group, tuple):  # a (shard, replicate) pair: hybrid, as the options checked
+        return given if given is not None else mesh_from_groups(*process_group)
+    if options.hybrid:
+        return given if given is not None else hybrid_mesh(_ranks_per_node(), process_group)
+    if options.strategy is ShardingStrategy.NO_SHARD:
         return hybrid_mesh(1, process_group)
-    return device_mesh if device_mesh is not None else resolve_mesh(process_group, None).mesh
+    return given if given is not None else resolve_mesh(process_group, None).mesh
 
 
 def _ranks_per_node() -> int:
@@ -323,17 +277,25 @@ def _ranks_per_node() -> int:
     raise ValueError(on_rank("hybrid sharding: pass device_mesh or process_group=(shard, replicate), or run under torchrun (LOCAL_WORLD_SIZE)"))
 
 
-def _device_for(device_id: Union[None, int, torch.device], default: torch.device) -> torch.device:
-    if device_id is None:
-        return default
-    return torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)
-
-
-def _mp_policy(mixed_precision: Optional[MixedPrecision], root: bool) -> MixedPrecisionPolicy:
-    if mixed_precision is None:
-        return MixedPrecisionPolicy()
-    cast = mixed_precision.cast_root_forward_inputs if root else mixed_precision.cast_forward_inputs
-    return MixedPrecisionPolicy(mixed_precision.param_dtype, mixed_precision.reduce_dtype, cast_forward_inputs=cast)
+def _shard_units(module: nn.Module, options: FSDP1Options, mesh: DeviceMesh, device: torch.device) -> None:
+    """``fully_shard`` the submodules the wrap policy picks, children first, then ``module`` as
+    the root unit for the rest; each unit is materialised (and synced from rank 0) just before."""
+    ignored = frozenset(id(p) for m in options.ignored_modules for p in m.parameters())
+    policy = options.wrap_policy
+    for sub in [*(modules_to_wrap(module, policy, ignored) if policy is not None else []), module]:
+        _materialise(sub, options.param_init_fn, device)
+        if options.sync_module_states:
+            _broadcast_from_rank0(sub, mesh)
+        fully_shard(
+            sub,
+            mesh=mesh,
+            reshard_after_forward=options.reshard_after_forward,
+            mp_policy=options.mp_policy(root=sub is module),
+            offload_policy=options.offload_policy,
+            ignored_params=_own(sub, ignored),
+        )
+    for unit in units_under(module):
+        unit.backward_prefetch_timing = options.backward_prefetch
 
 
 def _own(module: nn.Module, ignored: frozenset) -> list[nn.Parameter]:
