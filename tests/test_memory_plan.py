@@ -97,6 +97,39 @@ def test_command_prints_the_fit_table_and_the_account():
     assert 1.9 < float(rows[1][-1]) < 2.1  # 4 weights over 8 ranks: the busiest holds about twice 1/8
 
 
+def _mixed_dtypes(device: str = "meta") -> nn.Module:
+    """Float32 and bfloat16 layers: OSS broadcasts each owner's parameters in a bucket per dtype."""
+    with torch.device(device):
+        model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    model[1].to(torch.bfloat16)
+    model[3].to(torch.bfloat16)
+    return model
+
+
+def _count_oss_broadcasts(rank, world):
+    from sharded._common import comm
+
+    model = _mixed_dtypes("cpu")
+    optimizer = OSS(model.parameters(), torch.optim.SGD, lr=0.1)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    issued = []
+    broadcast = comm.broadcast
+    comm.broadcast = lambda *args, **kwargs: issued.append(args) or broadcast(*args, **kwargs)
+    try:
+        optimizer.step()
+    finally:
+        comm.broadcast = broadcast
+    return len(issued)
+
+
+def test_estimated_collectives_count_the_broadcasts_oss_issues_for_mixed_dtypes():
+    model = _mixed_dtypes()
+    ddp, zero1 = (estimate_memory(model, world_size=2, stage=s).collectives for s in (0, 1))
+    issued = run_on_ranks(_count_oss_broadcasts, 2)
+    assert issued[0] == issued[1] == zero1 - ddp == 4  # two owners, two dtypes each
+
+
 def test_imbalance_counts_whole_parameters():
     big, small = nn.Parameter(torch.zeros(100)), nn.Parameter(torch.zeros(10))
     assert imbalance(Partition.build([[big, small]], 2)) == pytest.approx(200 / 110)
