@@ -15,6 +15,7 @@ from torch import nn
 
 import sharded
 from sharded import OSS, estimate_memory, plan
+from sharded._common.in_flight import InFlight
 from sharded._owners.partition import Partition
 from sharded.oss import imbalance
 from tests._harness import run_on_ranks
@@ -128,6 +129,14 @@ def test_estimated_collectives_count_the_broadcasts_oss_issues_for_mixed_dtypes(
     ddp, zero1 = (estimate_memory(model, world_size=2, stage=s).collectives for s in (0, 1))
     issued = run_on_ranks(_count_oss_broadcasts, 2)
     assert issued[0] == issued[1] == zero1 - ddp == 4  # two owners, two dtypes each
+
+
+def test_in_flight_work_past_the_limit_is_finished_oldest_first():
+    sends = InFlight[str]()
+    for name in "abc":
+        sends.add(name)
+    assert sends.beyond(1) == ["a", "b"] and list(sends) == ["c"]
+    assert sends.beyond(1) == [] and sends.beyond(0) == ["c"] and len(sends) == 0
 
 
 def test_imbalance_counts_whole_parameters():

@@ -10,7 +10,6 @@ arrive, so the peak is the largest sum at one moment, not the sum of the two pea
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Optional, Sequence
 
 import torch
@@ -18,7 +17,7 @@ from torch import nn
 
 from .._common.broadcast import plan_broadcasts
 from .._common.flat import DEFAULT_BUCKET_NUMEL, plan_buckets
-from .._owners.grad_router import MAX_SENDS_IN_FLIGHT
+from .._common.in_flight import MAX_SENDS_IN_FLIGHT, InFlight
 from .._owners.partition import Partition
 from .._owners.reduce_plan import ReduceBucket, plan_reduce_buckets
 from .layout import DDP_BUCKET_BYTES, Layout
@@ -110,7 +109,7 @@ def _zero2_walk(
     location = {id(p): b for b, bucket in enumerate(buckets) for p in bucket.params}
     waiting = [len(bucket.params) for bucket in buckets]
     alive: dict[int, int] = {}
-    sent: deque[int] = deque()
+    sent: InFlight[int] = InFlight()
     next_launch = 0
     peak, comm_at_peak = 0, 0
 
@@ -133,9 +132,9 @@ def _zero2_walk(
         while next_launch < len(buckets) and waiting[next_launch] == 0:
             alive[next_launch] = buckets[next_launch].buffer_nbytes  # sealed: every slot and flag written
             if buckets[next_launch].owner != rank:
-                sent.append(next_launch)
-                while len(sent) > MAX_SENDS_IN_FLIGHT:
-                    alive.pop(sent.popleft())
+                sent.add(next_launch)
+                for finished in sent.beyond(MAX_SENDS_IN_FLIGHT):
+                    alive.pop(finished)
             next_launch += 1
         moment(profile.stretch_peaks[k + 1])
     return peak, comm_at_peak
