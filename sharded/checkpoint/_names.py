@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
+from .._common.errors import on_rank
 from ..oss import OSS
 from ..sharded_ddp import ShardedDataParallel
 
@@ -51,7 +52,7 @@ def as_optimizer_list(optimizers: Optimizers) -> list[Optimizer]:
     listed = [optimizers] if isinstance(optimizers, Optimizer) else list(optimizers)
     for i, optimizer in enumerate(listed):
         if not isinstance(optimizer, Optimizer):
-            raise TypeError(f"optimizers[{i}] is a {type(optimizer).__name__}, not a torch.optim.Optimizer")
+            raise TypeError(on_rank(f"optimizers[{i}] is a {type(optimizer).__name__}, not a torch.optim.Optimizer"))
     return listed
 
 
@@ -68,20 +69,20 @@ def param_fqns(module: nn.Module) -> dict[torch.Tensor, str]:
     return names
 
 
-def optimizer_fqns(optimizer: Optimizer, names: dict[torch.Tensor, str], rank: int) -> list[list[str]]:
+def optimizer_fqns(optimizer: Optimizer, names: dict[torch.Tensor, str]) -> list[list[str]]:
     """For each param group of ``optimizer``, the FQNs of its parameters, in group order."""
     fqns: list[list[str]] = []
     for g, group in enumerate(optimizer.param_groups):
         fqns.append([])
         for i, param in enumerate(group["params"]):
             if param not in names:
-                raise ValueError(
-                    f"rank {rank}: param group {g}, parameter {i} (shape {tuple(param.shape)}) of "
-                    f"the {type(optimizer).__name__} optimizer is not a parameter of the model, so "
-                    "it has no name to file its state under; pass the model the optimizer trains (an "
-                    "optimizer built before fully_shard, or before a load_state_dict(assign=True), holds "
-                    "parameters the model has replaced: build it after)"
-                )
+                raise ValueError(on_rank(
+                    f"param group {g}, parameter {i} (shape {tuple(param.shape)}) of the "
+                    f"{type(optimizer).__name__} optimizer is not a parameter of the model, so it has no "
+                    "name to file its state under; pass the model the optimizer trains (an optimizer built "
+                    "before fully_shard, or before a load_state_dict(assign=True), holds parameters the "
+                    "model has replaced: build it after)"
+                ))
             fqns[-1].append(names[param])
     return fqns
 

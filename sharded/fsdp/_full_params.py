@@ -35,7 +35,7 @@ def summon_full_params(
     units = units_under(module)
     busy = [u for u in units if u.training_state is not TrainingState.IDLE]
     if busy:
-        raise RuntimeError(f"summon_full_params inside forward or backward ({busy[0]} is {busy[0].training_state.name})")
+        raise RuntimeError(on_rank(f"summon_full_params inside forward or backward ({busy[0]} is {busy[0].training_state.name})"))
     _check_no_tensor_parallel(units)
     for unit in units:
         unit.reshard()

@@ -119,7 +119,7 @@ def save_sharded(
     ranks = Ranks(None)
     state: dict[str, Any] = {"model": dict(model_state)}
     if optimizer_states:
-        state["optim"] = _merged(optimizer_states, ranks.rank)
+        state["optim"] = _merged(optimizer_states)
     if ranks.rank == 0:
         state[LIGHTNING_KEY] = (dict(extra),)
     if folder.exists():
@@ -151,18 +151,18 @@ def _saved_rest(saved: Any, folder: Path) -> dict[str, Any]:
     ))
 
 
-def _merged(optimizer_states: Sequence[Mapping[str, Any]], rank: int) -> dict[str, Any]:
+def _merged(optimizer_states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The ``"optim"`` entry of several optimizers, as ``sharded.checkpoint.get_state_dict``
     gives it for a list of them."""
     merged: dict[str, Any] = {"state": {}, "param_groups": [], "classes": []}
     for index, part in enumerate(optimizer_states):
         shared = sorted(merged["state"].keys() & part.get("state", {}).keys())
         if shared:
-            raise ValueError(
-                f"rank {rank}: optimizer {index} steps parameters that an earlier one steps too "
-                f"({', '.join(shared[:3])}); a sharded checkpoint files optimizer state by parameter "
-                "name, so each parameter may belong to one optimizer only"
-            )
+            raise ValueError(on_rank(
+                f"optimizer {index} steps parameters that an earlier one steps too ({', '.join(shared[:3])}); "
+                "a sharded checkpoint files optimizer state by parameter name, so each parameter may "
+                "belong to one optimizer only"
+            ))
         merged["state"].update(part.get("state", {}))
         merged["param_groups"] += part.get("param_groups", [])
         merged["classes"] += part.get("classes", [])
@@ -172,18 +172,16 @@ def _merged(optimizer_states: Sequence[Mapping[str, Any]], rank: int) -> dict[st
 def _replace(folder: Path, state: Mapping[str, Any], ranks: Ranks) -> None:
     """Save ``state`` as ``.<name>.next`` beside the checkpoint ``folder``, then put it in its place."""
     if not (folder / METADATA_FILE).is_file():
-        raise FileExistsError(
-            f"rank {ranks.rank}: {folder} exists and is not a checkpoint (it has no {METADATA_FILE}), "
-            "so it is not replaced; remove it or save elsewhere"
-        )
+        raise FileExistsError(on_rank(
+            f"{folder} exists and is not a checkpoint (it has no {METADATA_FILE}), so it is not "
+            "replaced; remove it or save elsewhere"
+        ))
     staged = _beside(folder, "next")
     ranks.agree(lambda: _remove_on_rank0(staged, ranks.rank), f"clearing {staged}")
     try:
         checkpoint.save(state, staged)
     except CheckpointError as error:
-        raise CheckpointError(
-            f"rank {ranks.rank}: replacing {folder} failed; it still holds the previous checkpoint. {error}"
-        ) from error
+        raise CheckpointError(on_rank(f"replacing {folder} failed; it still holds the previous checkpoint. {error}")) from error
     ranks.agree(lambda: _swap_on_rank0(staged, folder, ranks.rank), f"replacing {folder}")
 
 
