@@ -20,7 +20,6 @@ template nothing filled. A parameter with no state (frozen, or never given a gra
 from __future__ import annotations
 
 import copy
-from itertools import chain
 from typing import Any, Mapping, Optional
 
 import torch
@@ -32,11 +31,11 @@ from .._common.optimizers import hyperparams
 from .._owners.optim_state import check_state_shapes, shapes_of
 from ..oss import OSS
 from ._fit_checks import CheckpointError, check_entries, check_filled, check_param_groups
-from ._names import Optimizers, as_optimizer_list, inner_optimizer_class, optimizer_fqns, param_fqns, unwrap
+from ._names import Optimizers, as_optimizer_list, inner_optimizer_class, keyed_by_number, optimizer_fqns, param_fqns, unwrap
 from ._placeholders import placeholder_states, unfilled_params
 from ._tensors import is_dtensor
 
-__all__ = ["get_state_dict", "optimizer_entries", "set_state_dict"]
+__all__ = ["get_state_dict", "set_state_dict"]
 
 
 def get_state_dict(model: nn.Module, optimizers: Optimizers = (), *, full: bool = False) -> dict[str, Any]:
@@ -64,7 +63,7 @@ def get_state_dict(model: nn.Module, optimizers: Optimizers = (), *, full: bool 
         return _rank0_torch_state_dict(module, listed, single=isinstance(optimizers, Optimizer))
     state: dict[str, Any] = {"model": module.state_dict()}
     if listed:
-        state["optim"] = optimizer_entries(listed, param_fqns(module))
+        state["optim"] = _optimizer_entries(listed, param_fqns(module))
     return state
 
 
@@ -89,18 +88,18 @@ def set_state_dict(model: nn.Module, optimizers: Optimizers, state: Mapping[str,
         optimizer.load_state_dict(torch_format)
 
 
-def optimizer_entries(optimizers: list[Optimizer], names: dict[torch.Tensor, str]) -> dict[str, Any]:
+def _optimizer_entries(optimizers: list[Optimizer], fqn_of: Mapping[torch.Tensor, str]) -> dict[str, Any]:
     """The ``"optim"`` part of the sharded form for ``optimizers`` (live tensors, no copies)."""
-    description = _optimizer_description(optimizers, names)  # first: it names a stranger parameter
-    state = {names[p]: dict(held) for optimizer in optimizers for p, held in _held_states(optimizer).items()}
+    description = _optimizer_description(optimizers, fqn_of)  # first: it names a stranger parameter
+    state = {fqn_of[p]: dict(held) for optimizer in optimizers for p, held in _held_states(optimizer).items()}
     return {"state": state, **description}
 
 
-def _optimizer_description(optimizers: list[Optimizer], names: dict[torch.Tensor, str]) -> dict[str, Any]:
+def _optimizer_description(optimizers: list[Optimizer], fqn_of: Mapping[torch.Tensor, str]) -> dict[str, Any]:
     """The param groups (hyperparameters and parameter FQNs) and the class of each."""
     groups, classes = [], []
     for optimizer in optimizers:
-        for group, fqns in zip(optimizer.param_groups, optimizer_fqns(optimizer, names)):
+        for group, fqns in zip(optimizer.param_groups, optimizer_fqns(optimizer, fqn_of)):
             groups.append({**hyperparams(group), "params": fqns})
             classes.append(inner_optimizer_class(optimizer))
     return {"param_groups": groups, "classes": classes}
@@ -121,25 +120,23 @@ def _held_states(optimizer: Optimizer) -> dict[torch.Tensor, Mapping[str, Any]]:
 
 
 def _optimizer_loads(
-    optimizers: list[Optimizer], state: Mapping[str, Any], names: dict[torch.Tensor, str], source: str
+    optimizers: list[Optimizer], state: Mapping[str, Any], fqn_of: Mapping[torch.Tensor, str], source: str
 ) -> list[tuple[Optimizer, dict[str, Any]]]:
     """Check ``state["optim"]`` against ``optimizers``; return each one's part in torch format."""
     if "optim" not in state:
         raise CheckpointError(on_rank(f"{source} has no 'optim' entry for the optimizers"))
     saved = state["optim"]
-    check_param_groups(saved, _optimizer_description(optimizers, names), source)
-    param_of = {fqn: p for p, fqn in names.items()}
+    check_param_groups(saved, _optimizer_description(optimizers, fqn_of), source)
+    param_of = {fqn: p for p, fqn in fqn_of.items()}
     for fqn, held in saved["state"].items():
         check_state_shapes(shapes_of(held), tuple(param_of[fqn].shape), fqn, source, CheckpointError)
+    held = {fqn: dict(s) for fqn, s in saved["state"].items() if s}
     loads, start = [], 0
     for optimizer in optimizers:
-        fqns = optimizer_fqns(optimizer, names)
-        index_of = {fqn: i for i, fqn in enumerate(chain.from_iterable(fqns))}
-        saved_groups = saved["param_groups"][start : start + len(fqns)]
+        fqns = optimizer_fqns(optimizer, fqn_of)
+        groups = saved["param_groups"][start : start + len(fqns)]
         start += len(fqns)
-        groups = [{**hyperparams(g), "params": [index_of[f] for f in group]} for g, group in zip(saved_groups, fqns)]
-        held = {index_of[f]: dict(s) for f, s in saved["state"].items() if f in index_of and s}
-        loads.append((optimizer, {"state": held, "param_groups": groups}))
+        loads.append((optimizer, keyed_by_number({"state": held, "param_groups": groups}, fqns)))
     return loads
 
 
