@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Mapping, MutableMapping, Optional, Union
 import torch
 import torch.distributed as dist
 
-from ._tensors import is_dtensor
+from .._common.dtensors import is_dtensor
 from .._common.errors import on_rank
 from .._owners.optim_state import check_state_shapes
 from ._fit_checks import CheckpointError, check_entries, check_param_groups

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from .._common.dtensors import full_copy, full_model_state_dict
 from .._common.errors import on_rank, process_rank
 from .._common.optimizers import hyperparams
 from .._owners.optim_state import check_state_shapes, shapes_of
@@ -33,7 +34,6 @@ from ..oss import OSS
 from ._fit_checks import CheckpointError, check_entries, check_filled, check_param_groups
 from ._names import Optimizers, as_optimizer_list, inner_optimizer_class, keyed_by_number, optimizer_fqns, param_fqns, unwrap
 from ._placeholders import placeholder_states, unfilled_params
-from ._tensors import is_dtensor
 
 __all__ = ["get_state_dict", "set_state_dict"]
 
@@ -145,7 +145,7 @@ def _optimizer_loads(
 
 def _rank0_torch_state_dict(module: nn.Module, optimizers: list[Optimizer], single: bool) -> dict[str, Any]:
     rank = process_rank()
-    model = {key: _full_copy(value, keep=rank == 0) for key, value in module.state_dict().items()}
+    model = full_model_state_dict(module, rank0_only=True, cpu_offload=True)
     optims = [_full_optimizer_state(optimizer, rank) for optimizer in optimizers]
     if rank != 0:
         return {}
@@ -162,20 +162,8 @@ def _full_optimizer_state(optimizer: Optimizer, rank: int) -> Optional[dict[str,
         return optimizer.state_dict() if rank == 0 else None
     torch_format = optimizer.state_dict()
     state = {
-        index: {key: _full_copy(value, keep=rank == 0) for key, value in held.items()}
+        index: {key: full_copy(value, keep=rank == 0) for key, value in held.items()}
         for index, held in torch_format["state"].items()
     }
     return {"state": state, "param_groups": copy.deepcopy(torch_format["param_groups"])} if rank == 0 else None
-
-
-def _full_copy(value: Any, keep: bool) -> Any:
-    """A CPU copy of ``value`` whole; a DTensor is gathered on every rank first (collective)."""
-    if is_dtensor(value):
-        value = value.full_tensor()
-    if not keep:
-        return None
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    return copy.deepcopy(value)
-
 

@@ -35,7 +35,6 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
@@ -43,6 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 
 from .. import checkpoint
+from .._common.dtensors import full_model_state_dict
 from .._common.errors import on_rank
 from ..checkpoint import CheckpointError
 from ..checkpoint._names import is_keyed_by_number, keyed_by_fqn, keyed_by_number, optimizer_fqns, param_fqns
@@ -69,7 +69,7 @@ _ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)  # full ten
 
 def full_model_state(module: nn.Module) -> dict[str, Any]:
     """Collective: ``module.state_dict()`` with full tensors on the CPU on rank 0; ``{}`` elsewhere."""
-    return get_model_state_dict(module, options=_ON_RANK0)
+    return full_model_state_dict(module, rank0_only=True, cpu_offload=True)
 
 
 def sharded_model_state(module: nn.Module) -> dict[str, Any]:
