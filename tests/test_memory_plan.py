@@ -89,10 +89,11 @@ def _cli(*args: str) -> str:
 def test_command_prints_the_fit_table_and_the_account():
     peaks = [estimate_memory(_mlp(), world_size=4, stage=s, wrap={nn.Linear}).peak_bytes for s in range(4)]
     budget = (peaks[1] + peaks[2]) // 2
-    table = _cli("tests.test_memory_plan:_mlp", "--world-size", "4", "--budget", f"{budget}B", "--wrap", "torch.nn:Linear")
+    table = _cli("tests.test_memory_plan:_mlp", "--world-size", "4", "--budget", f"{budget}B", "--wrap", "torch.nn:Linear",
+                 "--stage", "0,1,2,3")  # the older spelling of --stages
     assert [line.split()[-1] for line in table.splitlines() if line.startswith(("DDP", "ZeRO"))] == ["no", "no", "yes", "yes"]
     assert "choose: ZeRO-2" in table
-    account = _cli("tests.test_memory_plan:_mlp", "--world-sizes", "2,8", "--stage", "1,3")
+    account = _cli("tests.test_memory_plan:_mlp", "--world-sizes", "2,8", "--stages", "1,3")
     rows = [line.split() for line in account.splitlines() if line.startswith(("ZeRO"))]
     assert [(r[0], r[1]) for r in rows] == [("ZeRO-1", "2"), ("ZeRO-1", "8"), ("ZeRO-3", "2"), ("ZeRO-3", "8")]
     assert 1.9 < float(rows[1][-1]) < 2.1  # 4 weights over 8 ranks: the busiest holds about twice 1/8

@@ -85,7 +85,7 @@ def _activations_per_unit(
 
     The walk counts a unit's full gradients itself, so each stretch is taken less the unit's
     gradients that complete in it or after: those may already be computed and waiting (a
-    linear layer's weight gradient exists when its bias's completes)."""
+    ``nn.Linear``'s weight gradient exists when its bias's completes)."""
     position = {all_params[i]: k for k, i in enumerate(profile.ready_order)}
     completing = [all_params[i].numel() * all_params[i].element_size() for i in profile.ready_order]
     peaks = profile.stretch_peaks

@@ -63,9 +63,10 @@ class ShardedFSDPStrategy(ShardedPrecisionPlugin, DDPStrategy):
             keep shards, gradients and the optimizer step on the CPU.
         mixed_precision: a ``MixedPrecision`` (sharded's or torch FSDP's): the dtypes
             parameters are gathered and computed in, and gradients reduced in.
-        auto_wrap_policy: a set of layer classes or a wrap-policy callable
-            (:mod:`sharded.fsdp.wrap`): the layers that become units. ``None``: one unit.
-        activation_checkpointing_policy: the same shapes: the layers whose activations are
+        auto_wrap_policy: a set of module classes (Lightning's "layer classes", e.g. a
+            transformer block) or a wrap-policy callable (:mod:`sharded.fsdp.wrap`): the
+            submodules that become units. ``None``: one unit.
+        activation_checkpointing_policy: the same shapes: the submodules whose activations are
             recomputed in backward instead of kept.
         sharding_strategy: ``"FULL_SHARD"`` (ZeRO-3), ``"SHARD_GRAD_OP"`` (parameters kept
             from forward to backward), ``"NO_SHARD"`` (DDP) or ``"HYBRID_SHARD"`` (sharded
