@@ -72,7 +72,7 @@ def set_state_dict(model: nn.Module, optimizers: Optimizers, state: Mapping[str,
     ``model`` and ``optimizers``. Not collective.
 
     Everything is checked before anything is loaded: the model keys and shapes, the param
-    groups (by parameter name, not position), the optimizer class and the state shapes; an error
+    groups (by parameter FQN, not position), the optimizer class and the state shapes; an error
     names what does not fit and leaves model and optimizers untouched. Each ``OSS`` keeps the
     state of the parameters it owns. ``state`` may lack ``"model"`` to load optimizers only.
     """

@@ -166,7 +166,7 @@ class ShardedFSDPStrategy(ShardedFabricPrecision, DDPStrategy):
 
     def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """Collective: the whole state in torch's format on rank 0 (``"full"``), or each rank's
-        shards keyed by parameter name (``"sharded"``)."""
+        shards keyed by parameter FQN (``"sharded"``)."""
         module = self._module_of(optimizer)
         if self._state_dict_type == "full":
             return checkpoints.full_optimizer_state(module, optimizer)

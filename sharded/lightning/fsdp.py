@@ -211,7 +211,7 @@ class ShardedFSDPStrategy(ShardedPrecisionPlugin, DDPStrategy):
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """Collective: the whole state in torch's format on rank 0 (``"full"``) or each rank's
-        shards filed by parameter name (``"sharded"``)."""
+        shards filed by parameter FQN (``"sharded"``)."""
         assert self.lightning_module is not None
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
