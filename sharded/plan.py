@@ -1,12 +1,14 @@
-"""Will it fit? Which stages fit a per-rank memory budget, and what each costs in communication.
+"""Will it fit? Which ZeRO stages fit a per-rank memory budget, and what each costs in communication.
 
+A stage is the ZeRO stage a configuration trains with: 0 is plain DDP, and 1, 2 and 3 are run by
+sharded's layers 1, 2 and 3 (``OSS``; ``ShardedDataParallel``; ``fully_shard``).
 ``sharded.plan(model, world_size=8, budget_bytes=40 * 2**30)`` returns the stages whose
 estimated peak fits, cheapest first by bytes sent per step (DDP, ZeRO-1 and ZeRO-2 send twice
 the model per rank and step, ZeRO-3 three times), each with its :class:`MemoryEstimate`.
 
 As a command::
 
-    python -m sharded.plan MODULE:FACTORY --world-size 8 --budget 40GiB [--stage 0,1,2,3]
+    python -m sharded.plan MODULE:FACTORY --world-size 8 --budget 40GiB [--stages 0,1,2,3]
     python -m sharded.plan MODULE:FACTORY --world-sizes 8,64,512,4096
 
 ``FACTORY`` is called with no arguments under ``torch.device("meta")``, so building even a
@@ -121,14 +123,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--world-size", type=int, help="ranks to plan for")
     parser.add_argument("--budget", type=parse_bytes, help="bytes per rank, e.g. 40GiB")
     parser.add_argument("--world-sizes", help="comma-separated world sizes: print the account at scale")
-    parser.add_argument("--stage", default="0,1,2,3", help="comma-separated stages (0 = DDP)")
+    parser.add_argument(
+        "--stages", "--stage", dest="stages", default="0,1,2,3",
+        help="comma-separated ZeRO stages: 0 = DDP, 1-3 = sharded's layers 1-3 (default: all)",
+    )
     parser.add_argument("--optimizer", default="Adam", help="a torch.optim class name (default Adam)")
     parser.add_argument("--wrap", default=None, help="MODULE:CLASS of the stage-3 units (default: none but the root)")
     args = parser.parse_args(argv)
-    stages = [int(s) for s in args.stage.split(",")]
+    stages = [int(s) for s in args.stages.split(",")]
     bad = [s for s in stages if s not in STAGE_NAMES]
     if bad:
-        parser.error(f"--stage: {bad[0]} is not a stage; use 0 (DDP), 1, 2 or 3")
+        parser.error(f"--stages: {bad[0]} is not a stage; use 0 (DDP), 1, 2 or 3")
     with torch.device("meta"):
         model = load_factory(args.factory)()
     kwargs: dict[str, Any] = {"optimizer": getattr(torch.optim, args.optimizer)}

@@ -182,7 +182,7 @@ def _check_set_state_dict_refuses_bad_state_dicts(wrapped, optimizer, rank):
     renamed = [dict(g) for g in good["optim"]["param_groups"]]
     renamed[1]["params"] = [f"renamed.{n}" for n in renamed[1]["params"]]
     cases = [
-        (wrong_shape, rf"rank {rank}: rank {rank}'s state dict does not fit: model shapes differ: head\.weight saved \(3, 3\), here \(64, 32\)"),
+        (wrong_shape, rf"rank {rank}: the state dict does not fit: model shapes differ: head\.weight saved \(3, 3\), here \(64, 32\)"),
         (one_group, r"state dict has 1 optimizer param groups, the optimizers here have 2"),
         ({**good, "optim": {**good["optim"], "param_groups": renamed}}, r"optimizer param group 1 lacks .* and has renamed\."),
         ({"model": good["model"]}, r"has no 'optim' entry"),

@@ -336,7 +336,7 @@ def test_registered_as_sharded_fsdp_for_the_trainer_and_fabric():
     [
         (dict(sharding_strategy="FULL"), ValueError, "sharding_strategy must be one of FULL_SHARD"),
         (dict(state_dict_type="dcp"), ValueError, "state_dict_type must be 'full' or 'sharded'"),
-        (dict(auto_wrap_policy=[1]), TypeError, "auto_wrap_policy must be a set of layer classes"),
+        (dict(auto_wrap_policy=[1]), TypeError, "auto_wrap_policy must be a set of module classes"),
         (dict(activation_checkpointing_policy=3), TypeError, "activation_checkpointing_policy must be"),
         (dict(mixed_precision="bf16"), TypeError, "mixed_precision must be a MixedPrecision"),
         (dict(use_orig_param=True), ValueError, "does not take use_orig_param;"),

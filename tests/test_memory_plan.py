@@ -15,6 +15,7 @@ from torch import nn
 
 import sharded
 from sharded import OSS, estimate_memory, plan
+from sharded._common.in_flight import InFlight
 from sharded._owners.partition import Partition
 from sharded.oss import imbalance
 from tests._harness import run_on_ranks
@@ -88,13 +89,55 @@ def _cli(*args: str) -> str:
 def test_command_prints_the_fit_table_and_the_account():
     peaks = [estimate_memory(_mlp(), world_size=4, stage=s, wrap={nn.Linear}).peak_bytes for s in range(4)]
     budget = (peaks[1] + peaks[2]) // 2
-    table = _cli("tests.test_memory_plan:_mlp", "--world-size", "4", "--budget", f"{budget}B", "--wrap", "torch.nn:Linear")
+    table = _cli("tests.test_memory_plan:_mlp", "--world-size", "4", "--budget", f"{budget}B", "--wrap", "torch.nn:Linear",
+                 "--stage", "0,1,2,3")  # the older spelling of --stages
     assert [line.split()[-1] for line in table.splitlines() if line.startswith(("DDP", "ZeRO"))] == ["no", "no", "yes", "yes"]
     assert "choose: ZeRO-2" in table
-    account = _cli("tests.test_memory_plan:_mlp", "--world-sizes", "2,8", "--stage", "1,3")
+    account = _cli("tests.test_memory_plan:_mlp", "--world-sizes", "2,8", "--stages", "1,3")
     rows = [line.split() for line in account.splitlines() if line.startswith(("ZeRO"))]
     assert [(r[0], r[1]) for r in rows] == [("ZeRO-1", "2"), ("ZeRO-1", "8"), ("ZeRO-3", "2"), ("ZeRO-3", "8")]
     assert 1.9 < float(rows[1][-1]) < 2.1  # 4 weights over 8 ranks: the busiest holds about twice 1/8
+
+
+def _mixed_dtypes(device: str = "meta") -> nn.Module:
+    """Float32 and bfloat16 layers: OSS broadcasts each owner's parameters in a bucket per dtype."""
+    with torch.device(device):
+        model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    model[1].to(torch.bfloat16)
+    model[3].to(torch.bfloat16)
+    return model
+
+
+def _count_oss_broadcasts(rank, world):
+    from sharded._common import comm
+
+    model = _mixed_dtypes("cpu")
+    optimizer = OSS(model.parameters(), torch.optim.SGD, lr=0.1)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    issued = []
+    broadcast = comm.broadcast
+    comm.broadcast = lambda *args, **kwargs: issued.append(args) or broadcast(*args, **kwargs)
+    try:
+        optimizer.step()
+    finally:
+        comm.broadcast = broadcast
+    return len(issued)
+
+
+def test_estimated_collectives_count_the_broadcasts_oss_issues_for_mixed_dtypes():
+    model = _mixed_dtypes()
+    ddp, zero1 = (estimate_memory(model, world_size=2, stage=s).collectives for s in (0, 1))
+    issued = run_on_ranks(_count_oss_broadcasts, 2)
+    assert issued[0] == issued[1] == zero1 - ddp == 4  # two owners, two dtypes each
+
+
+def test_in_flight_work_past_the_limit_is_finished_oldest_first():
+    sends = InFlight[str]()
+    for name in "abc":
+        sends.add(name)
+    assert sends.beyond(1) == ["a", "b"] and list(sends) == ["c"]
+    assert sends.beyond(1) == [] and sends.beyond(0) == ["c"] and len(sends) == 0
 
 
 def test_imbalance_counts_whole_parameters():

@@ -89,8 +89,9 @@ def estimate_memory(
     Args:
         model: the model (any device; the meta device costs nothing).
         world_size: ranks the model is trained on.
-        stage: 0 (DDP + the optimizer), 1 (DDP + ``OSS``), 2 (``ShardedDataParallel`` + ``OSS``)
-            or 3 (``FullyShardedDataParallel`` / ``fully_shard``).
+        stage: the ZeRO stage: 0 (DDP + the optimizer), or the stage sharded's layer of that
+            number runs: 1 (DDP + ``OSS``), 2 (``ShardedDataParallel`` + ``OSS``) or 3
+            (``FullyShardedDataParallel`` / ``fully_shard``).
         optimizer / optimizer_kwargs: the optimizer class and its arguments; its state is
             measured by stepping it on meta tensors.
         mixed_precision: for stage 3, a ``MixedPrecisionPolicy`` or FSDP1 ``MixedPrecision``

@@ -10,14 +10,14 @@ arrive, so the peak is the largest sum at one moment, not the sum of the two pea
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Optional, Sequence
 
 import torch
 from torch import nn
 
+from .._common.broadcast import plan_broadcasts
 from .._common.flat import DEFAULT_BUCKET_NUMEL, plan_buckets
-from .._owners.grad_router import MAX_SENDS_IN_FLIGHT
+from .._common.in_flight import MAX_SENDS_IN_FLIGHT, InFlight
 from .._owners.partition import Partition
 from .._owners.reduce_plan import ReduceBucket, plan_reduce_buckets
 from .layout import DDP_BUCKET_BYTES, Layout
@@ -50,7 +50,7 @@ def replicated_layout(
         busiest = max(range(world), key=loads.__getitem__)
         owned = [params[i] for i in partition.owned_indices(busiest, trainable_only=True)]
         shapes = [(p.shape, p.dtype) for p in owned]
-        calls, share = _broadcast_count(partition, params), loads[busiest] / max(1, sum(loads))
+        calls, share = _broadcast_count(partition), loads[busiest] / max(1, sum(loads))
     if stage < 2:  # DDP's all-reduce (then, for ZeRO-1, the owners' broadcasts)
         calls = (_ddp_bucket_count(params) + calls) if world > 1 else 0
         backward = grad_bytes + _keep_all_walk(ready, profile, declared_activations)
@@ -109,7 +109,7 @@ def _zero2_walk(
     location = {id(p): b for b, bucket in enumerate(buckets) for p in bucket.params}
     waiting = [len(bucket.params) for bucket in buckets]
     alive: dict[int, int] = {}
-    sent: deque[int] = deque()
+    sent: InFlight[int] = InFlight()
     next_launch = 0
     peak, comm_at_peak = 0, 0
 
@@ -132,9 +132,9 @@ def _zero2_walk(
         while next_launch < len(buckets) and waiting[next_launch] == 0:
             alive[next_launch] = buckets[next_launch].buffer_nbytes  # sealed: every slot and flag written
             if buckets[next_launch].owner != rank:
-                sent.append(next_launch)
-                while len(sent) > MAX_SENDS_IN_FLIGHT:
-                    alive.pop(sent.popleft())
+                sent.add(next_launch)
+                for finished in sent.beyond(MAX_SENDS_IN_FLIGHT):
+                    alive.pop(finished)
             next_launch += 1
         moment(profile.stretch_peaks[k + 1])
     return peak, comm_at_peak
@@ -145,14 +145,16 @@ def _ddp_bucket_count(params: Sequence[torch.Tensor]) -> int:
     return len(plan_buckets(list(reversed(params)), numel))
 
 
-def _broadcast_count(partition: Partition, params: Sequence[torch.Tensor]) -> int:
-    """OSS's broadcast buckets per step, summed over the owners (every rank takes part in each)."""
-    index = {p: i for i, p in enumerate(partition.params)}
-    total = 0
-    for rank in range(partition.world_size):
-        owned = [p for p in params if partition.owners[index[p]] == rank]
-        total += len(plan_buckets(owned, DEFAULT_BUCKET_NUMEL))
-    return total
+def _broadcast_count(partition: Partition) -> int:
+    """OSS's broadcasts per step (every rank takes part in each): the buckets its own planner makes
+    of each owner's trainable parameters, one device and dtype per bucket. (A bucket that cannot
+    be made resident, its tensors not contiguous or aliased, is sent tensor by tensor; that
+    cannot be seen on the meta device and is not counted.)"""
+    by_owner = [
+        [partition.params[i] for i in partition.owned_indices(rank, trainable_only=True)]
+        for rank in range(partition.world_size)
+    ]
+    return len(plan_broadcasts(by_owner, DEFAULT_BUCKET_NUMEL))
 
 
 def _reduce_window_bytes(buckets: Sequence[ReduceBucket], rank: int) -> int:

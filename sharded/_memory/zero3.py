@@ -10,8 +10,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from .._common.in_flight import MAX_REDUCTIONS_IN_FLIGHT, InFlight
 from ..fsdp._param import ShardGeometry
-from ..fsdp._root import MAX_REDUCTIONS_IN_FLIGHT
 from ..fsdp.wrap import as_wrap_policy, modules_to_wrap
 from .layout import Layout
 from .trial import ActivationProfile
@@ -85,7 +85,7 @@ def _activations_per_unit(
 
     The walk counts a unit's full gradients itself, so each stretch is taken less the unit's
     gradients that complete in it or after: those may already be computed and waiting (a
-    linear layer's weight gradient exists when its bias's completes)."""
+    ``nn.Linear``'s weight gradient exists when its bias's completes)."""
     position = {all_params[i]: k for k, i in enumerate(profile.ready_order)}
     completing = [all_params[i].numel() * all_params[i].element_size() for i in profile.ready_order]
     peaks = profile.stretch_peaks
@@ -113,10 +113,11 @@ def _backward_walk(
 
     While a unit computes its gradients, a rank holds: the sharded gradients of the units done,
     the root's parameters and gradients (gathered all backward), the unit's gathered parameters
-    and its full gradients, the next unit's parameters being prefetched, and what the previous
-    unit's reduce-scatter still holds (at most ``MAX_REDUCTIONS_IN_FLIGHT``, the wrapper's own
-    limit). The unit then frees its gathered parameters before it packs its gradients into the
-    send buffer, so packing holds no more than computing did. ``activations[i]``: the
+    and its full gradients, the next unit's parameters being prefetched, and what the reductions
+    of the units before it still hold (at most ``MAX_REDUCTIONS_IN_FLIGHT`` of them, the
+    wrapper's own limit: the oldest is finished before the next unit packs). The unit then frees
+    its gathered parameters before it packs its gradients into the send buffer, so packing holds
+    no more than computing did. ``activations[i]``: the
     activations alive while the ``i``-th unit of the walk computes; the last, at the root's
     reduction.
 
@@ -130,25 +131,27 @@ def _backward_walk(
     root = next(u for u in units if u.is_root)
     order = list(reversed(children))
 
-    def in_flight(u: UnitSize) -> int:
-        return MAX_REDUCTIONS_IN_FLIGHT * (u.gathered_bytes * (world - 1) // world if gloo else u.gathered_bytes)
+    reducing: InFlight[UnitSize] = InFlight()
+
+    def held_by_reductions() -> int:
+        return sum(u.gathered_bytes * (world - 1) // world if gloo else u.gathered_bytes for u in reducing)
 
     held_root = root.gathered_bytes + root.full_bytes
     peak, comm_at_peak, done_grads = (activations[0], 0, 0) if not order else (0, 0, 0)
-    previous: UnitSize | None = None
     for i, unit in enumerate(order):
         if reshard_after_forward:
             gathered = unit.gathered_bytes + (order[i + 1].gathered_bytes if i + 1 < len(order) else 0)
         else:  # SHARD_GRAD_OP: every unit not yet reached stays gathered
             gathered = sum(u.gathered_bytes for u in order[i:])
-        comm = gathered + (in_flight(previous) if previous else 0)
+        comm = gathered + held_by_reductions()
         moment = done_grads + held_root + unit.full_bytes + comm + activations[i]
         if moment > peak:
             peak, comm_at_peak = moment, comm + root.gathered_bytes
         done_grads += unit.grad_bytes
-        previous = unit
+        reducing.beyond(MAX_REDUCTIONS_IN_FLIGHT - 1)  # finished before this unit's reduction starts
+        reducing.add(unit)
     # the root's reduction, last: its gathered parameters and its send buffer
-    comm = 2 * root.gathered_bytes + (in_flight(previous) if previous else 0)
+    comm = 2 * root.gathered_bytes + held_by_reductions()
     moment = done_grads + root.full_bytes + comm + activations[-1]
     if moment > peak:
         peak, comm_at_peak = moment, comm

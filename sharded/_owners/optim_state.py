@@ -9,16 +9,26 @@ Each rank's shard is ``{global index: per-parameter state}`` for the parameters 
 from __future__ import annotations
 
 from itertools import chain
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
+from .._common.errors import on_rank
 from .._common.optimizers import hyperparams
 from .partition import Partition
 
-__all__ = ["snapshot_shard", "consolidated_state_dict", "states_by_param", "restore_state"]
+__all__ = [
+    "Shape",
+    "check_state_shapes",
+    "consolidated_state_dict",
+    "restore_state",
+    "shapes_of",
+    "snapshot_shard",
+    "states_by_param",
+]
 
 ParamState = dict[str, Any]
+Shape = Optional[tuple[int, ...]]  # a state value's shape; None for a value that is not a tensor
 
 
 def snapshot_shard(
@@ -52,33 +62,65 @@ def states_by_param(
 
     Raises ``ValueError`` naming the param group or parameter when the dict does not fit: a
     different number of groups or parameters (including a per-rank shard, which is not a full
-    dict), or a per-parameter state tensor whose shape contradicts its parameter's.
+    dict), or a per-parameter state tensor whose shape contradicts its parameter's. ``rank`` is
+    this rank in the optimizer's process group (the messages add it to the global one).
     """
     for key in ("state", "param_groups"):
         if key not in state_dict:
-            raise ValueError(f"rank {rank}: optimizer state dict has no '{key}' entry")
+            raise ValueError(on_rank(f"optimizer state dict has no '{key}' entry", rank))
     saved_sizes = [len(g["params"]) for g in state_dict["param_groups"]]
     if saved_sizes != list(partition.group_sizes):
-        raise ValueError(
-            f"rank {rank}: optimizer state dict has param groups of sizes {saved_sizes}, this "
+        raise ValueError(on_rank(
+            f"optimizer state dict has param groups of sizes {saved_sizes}, this "
             f"optimizer has {list(partition.group_sizes)}. Load a full state dict (from "
             "OSS.state_dict() after consolidate_state_dict(), or a plain torch optimizer) "
-            "over the same parameters; a per-rank shard cannot be loaded"
-        )
+            "over the same parameters; a per-rank shard cannot be loaded",
+            rank,
+        ))
     saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
     param_of = dict(zip(saved_ids, partition.params))
-    index_of = {p: i for i, p in enumerate(partition.params)}
     states = {}
     for saved_id, state in state_dict["state"].items():
         if saved_id not in param_of:
-            raise ValueError(
-                f"rank {rank}: optimizer state dict has state for parameter id {saved_id!r}, "
-                "which no param group lists"
-            )
+            raise ValueError(on_rank(
+                f"optimizer state dict has state for parameter id {saved_id!r}, which no param group lists", rank
+            ))
         param = param_of[saved_id]
-        _check_state_shapes(state, param, index_of[param], rank)
+        check_state_shapes(shapes_of(state), tuple(param.shape), str(saved_id), "the optimizer state dict", group_rank=rank)
         states[param] = state
     return states
+
+
+def shapes_of(state: Mapping[str, Any]) -> dict[str, Shape]:
+    """The shape of each entry of ``state`` (``None`` for a value that is not a tensor)."""
+    return {key: tuple(value.shape) if isinstance(value, torch.Tensor) else None for key, value in state.items()}
+
+
+def check_state_shapes(
+    state: Mapping[str, Shape],
+    param_shape: tuple[int, ...],
+    param: str,
+    source: str,
+    error: type[Exception] = ValueError,
+    group_rank: Optional[int] = None,
+) -> None:
+    """Raise ``error`` unless each element-wise entry of one parameter's optimizer state (given
+    by its shapes, see :func:`shapes_of`) has the parameter's shape or one that broadcasts to it,
+    as factored state does (Adafactor's row and column vectors). Scalars such as ``step`` and
+    values that are not tensors are free.
+
+    The message names the parameter (``param``: its FQN, or its number in a torch-format state
+    dict), the rank, and ``source``, the state dict the state comes from.
+    """
+    for key, shape in state.items():
+        if shape is None or len(shape) != len(param_shape) or not shape:
+            continue
+        if not all(s in (p, 1) for s, p in zip(shape, param_shape)):
+            raise error(on_rank(
+                f"{source}: optimizer state '{key}' of parameter {param} has shape {shape}, but the "
+                f"parameter has shape {param_shape}; it was saved for a different model",
+                group_rank,
+            ))
 
 
 def restore_state(state: Mapping[str, Any], param: torch.Tensor, group: Mapping[str, Any]) -> ParamState:
@@ -101,20 +143,6 @@ def _restore_value(key: str, value: Any, param: torch.Tensor, group: Mapping[str
     if param.is_floating_point() and value.is_floating_point():
         return value.to(device=param.device, dtype=param.dtype, copy=True)
     return value.to(device=param.device, copy=True)
-
-
-def _check_state_shapes(state: Mapping[str, Any], param: torch.Tensor, index: int, rank: int) -> None:
-    """Element-wise state must match its parameter (or broadcast to it, as factored state does)."""
-    for key, value in state.items():
-        if not isinstance(value, torch.Tensor) or value.dim() != param.dim() or value.dim() == 0:
-            continue
-        fits = all(v in (p, 1) for v, p in zip(value.shape, param.shape))
-        if not fits:
-            raise ValueError(
-                f"rank {rank}: optimizer state '{key}' for parameter {index} has shape "
-                f"{tuple(value.shape)}, but the parameter has shape {tuple(param.shape)}; "
-                "the state dict was saved for a different model"
-            )
 
 
 def _to_cpu_copy(value: Any) -> Any:

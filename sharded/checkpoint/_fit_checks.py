@@ -1,7 +1,7 @@
 """Does a checkpoint fit the model and optimizers it is loaded into? Errors that say why.
 
 Every check here runs before anything is loaded and depends only on data that is the same on
-every rank (the checkpoint's index, the replicated model's names and shapes, the param groups),
+every rank (the checkpoint's index, the replicated model's FQNs and shapes, the param groups),
 so all ranks reach the same verdict without talking, and none is left waiting in a collective.
 """
 
@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
-__all__ = ["CheckpointError", "check_entries", "check_filled", "check_param_groups", "check_state_shapes"]
+from .._common.errors import on_rank
+from .._owners.optim_state import Shape
 
-Shape = Optional[tuple[int, ...]]  # None for a value that is not a tensor
+__all__ = ["CheckpointError", "check_entries", "check_filled", "check_param_groups"]
+
 _LISTED = 6  # names quoted in one message before "and N more"
 
 
@@ -20,7 +22,7 @@ class CheckpointError(ValueError):
     different model or optimizer. Nothing was loaded."""
 
 
-def check_entries(expected: Mapping[str, Shape], found: Mapping[str, Shape], what: str, rank: int, source: str) -> None:
+def check_entries(expected: Mapping[str, Shape], found: Mapping[str, Shape], what: str, source: str) -> None:
     """Raise unless ``found`` has exactly the keys of ``expected``, tensors of the same shapes.
 
     ``what`` names the mapping in messages (``"model"``), ``source`` where ``found`` comes from.
@@ -40,102 +42,86 @@ def check_entries(expected: Mapping[str, Shape], found: Mapping[str, Shape], wha
     if mis_shaped:
         problems.append(f"{what} shapes differ: {_listing(mis_shaped)}")
     if problems:
-        raise CheckpointError(
-            f"rank {rank}: {source} does not fit: {'; '.join(problems)}. It was saved for a "
-            "different model; nothing was loaded"
-        )
+        raise CheckpointError(on_rank(
+            f"{source} does not fit: {'; '.join(problems)}. It was saved for a different model; nothing was loaded"
+        ))
 
 
-def check_param_groups(saved: Mapping[str, Any], expected: Mapping[str, Any], rank: int, source: str) -> None:
+def check_param_groups(saved: Mapping[str, Any], expected: Mapping[str, Any], source: str) -> None:
     """Raise unless the saved optimizer description matches the expected one.
 
     Both are the ``"optim"`` part of a sharded state dict: ``param_groups`` (hyperparameters and
     parameter FQNs) and, when recorded, ``classes`` (the optimizer class of each group). Groups
-    correspond by position; within a group parameters match by name, in any order.
+    correspond by position; within a group parameters match by FQN, in any order.
     """
     for key in ("param_groups", "state"):
         if key not in saved:
-            raise CheckpointError(f"rank {rank}: {source} has no optimizer '{key}' entry")
+            raise CheckpointError(on_rank(f"{source} has no optimizer '{key}' entry"))
     saved_groups, groups = saved["param_groups"], expected["param_groups"]
     if len(saved_groups) != len(groups):
-        raise CheckpointError(
-            f"rank {rank}: {source} has {len(saved_groups)} optimizer param groups, the "
-            f"optimizers here have {len(groups)}"
-        )
-    _check_classes(saved.get("classes"), expected.get("classes"), rank, source)
+        raise CheckpointError(on_rank(
+            f"{source} has {len(saved_groups)} optimizer param groups, the optimizers here have {len(groups)}"
+        ))
+    _check_classes(saved.get("classes"), expected.get("classes"), source)
     for g, (saved_group, group) in enumerate(zip(saved_groups, groups)):
-        _check_group(g, saved_group, group, check_keys="classes" not in saved, rank=rank, source=source)
+        _check_group(g, saved_group, group, check_keys="classes" not in saved, source=source)
     known = {fqn for group in groups for fqn in group["params"]}
     strays = [fqn for fqn in saved["state"] if fqn not in known]
     if strays:
-        raise CheckpointError(
-            f"rank {rank}: {source} holds optimizer state for {_listing(strays)}, which no param "
-            "group here lists; it was saved for a different model"
-        )
+        raise CheckpointError(on_rank(
+            f"{source} holds optimizer state for {_listing(strays)}, which no param group here lists; "
+            "it was saved for a different model"
+        ))
 
 
-def check_state_shapes(fqn: str, state: Mapping[str, Shape], param_shape: tuple[int, ...], rank: int, source: str) -> None:
-    """Element-wise optimizer state must have its parameter's shape (or broadcast to it, as
-    factored state does); scalars such as ``step`` are free."""
-    for key, shape in state.items():
-        if shape is None or len(shape) != len(param_shape) or not shape:
-            continue
-        if not all(s in (p, 1) for s, p in zip(shape, param_shape)):
-            raise CheckpointError(
-                f"rank {rank}: {source}: optimizer state '{key}' of {fqn} has shape {shape}, the "
-                f"parameter has shape {param_shape}; it was saved for a different model"
-            )
-
-
-def check_filled(unfilled: Sequence[str], rank: int, source: str) -> None:
+def check_filled(unfilled: Sequence[str], source: str) -> None:
     """Raise if parameters ``unfilled`` still hold the placeholder optimizer state that
     ``get_state_dict`` makes for an optimizer that has not stepped: nothing loaded into them,
     and taking them would silently restart the optimizer."""
     if unfilled:
-        raise CheckpointError(
-            f"rank {rank}: {source}: the optimizer state of {_listing(unfilled)} is still the "
-            "placeholder get_state_dict made for an optimizer that has not stepped; no checkpoint "
-            "filled it (the checkpoint lacks that state, or a partial load skipped it). Fill it "
-            "with sharded.checkpoint.load or torch.distributed.checkpoint.load; nothing was loaded"
-        )
+        raise CheckpointError(on_rank(
+            f"{source}: the optimizer state of {_listing(unfilled)} is still the placeholder "
+            "get_state_dict made for an optimizer that has not stepped; no checkpoint filled it (the "
+            "checkpoint lacks that state, or a partial load skipped it). Fill it with "
+            "sharded.checkpoint.load or torch.distributed.checkpoint.load; nothing was loaded"
+        ))
 
 
-def _check_classes(saved: Optional[Sequence[str]], expected: Optional[Sequence[str]], rank: int, source: str) -> None:
+def _check_classes(saved: Optional[Sequence[str]], expected: Optional[Sequence[str]], source: str) -> None:
     if saved is None or expected is None:
         return
     for g, (theirs, ours) in enumerate(zip(saved, expected)):
         if theirs != ours:
-            raise CheckpointError(
-                f"rank {rank}: {source}: param group {g} was saved by a {theirs} optimizer, it is "
-                f"loaded into a {ours}; optimizer state does not carry over between classes"
-            )
+            raise CheckpointError(on_rank(
+                f"{source}: param group {g} was saved by a {theirs} optimizer, it is loaded into a "
+                f"{ours}; optimizer state does not carry over between classes"
+            ))
 
 
-def _check_group(g: int, saved: Mapping[str, Any], group: Mapping[str, Any], check_keys: bool, rank: int, source: str) -> None:
-    saved_names, names = list(saved.get("params", ())), list(group["params"])
-    if any(not isinstance(name, str) for name in saved_names):
-        raise CheckpointError(
-            f"rank {rank}: {source}: param group {g} lists parameters by position, not by name: "
-            "that is a full (torch-format) optimizer state dict; load it with "
-            "optimizer.load_state_dict()"
-        )
-    saved_set, expected_set = set(saved_names), set(names)
-    missing = [n for n in names if n not in saved_set]
-    unexpected = [n for n in saved_names if n not in expected_set]
+def _check_group(g: int, saved: Mapping[str, Any], group: Mapping[str, Any], check_keys: bool, source: str) -> None:
+    saved_fqns, fqns = list(saved.get("params", ())), list(group["params"])
+    if any(not isinstance(fqn, str) for fqn in saved_fqns):
+        raise CheckpointError(on_rank(
+            f"{source}: param group {g} lists parameters by position, not by FQN: that is a full "
+            "(torch-format) optimizer state dict; load it with optimizer.load_state_dict()"
+        ))
+    saved_set, expected_set = set(saved_fqns), set(fqns)
+    missing = [f for f in fqns if f not in saved_set]
+    unexpected = [f for f in saved_fqns if f not in expected_set]
     if missing or unexpected:
         parts = ([f"lacks {_listing(missing)}"] if missing else []) + (
             [f"has {_listing(unexpected)} which the optimizer here does not"] if unexpected else []
         )
-        raise CheckpointError(
-            f"rank {rank}: {source}: optimizer param group {g} {' and '.join(parts)}; the model or "
-            "the param groups differ from the saved ones"
-        )
+        raise CheckpointError(on_rank(
+            f"{source}: optimizer param group {g} {' and '.join(parts)}; the model or the param "
+            "groups differ from the saved ones"
+        ))
     if check_keys and set(saved) != set(group):
         differing = sorted(set(saved) ^ set(group))
-        raise CheckpointError(
-            f"rank {rank}: {source}: optimizer param group {g} has hyperparameters "
-            f"{_listing(differing)} on one side only; it was saved by a different optimizer class"
-        )
+        raise CheckpointError(on_rank(
+            f"{source}: optimizer param group {g} has hyperparameters {_listing(differing)} on one "
+            "side only; it was saved by a different optimizer class"
+        ))
 
 
 def _shape(shape: Shape) -> str:

@@ -25,11 +25,13 @@ from typing import TYPE_CHECKING, Any, Mapping, MutableMapping, Optional, Union
 import torch
 import torch.distributed as dist
 
-from ._fit_checks import CheckpointError, check_entries, check_param_groups, check_state_shapes
+from .._common.dtensors import is_dtensor
+from .._common.errors import on_rank
+from .._owners.optim_state import check_state_shapes
+from ._fit_checks import CheckpointError, check_entries, check_param_groups
 from ._paths import KeyPath, covered, leaves, nest, reaches, set_at, value_at
 from ._placeholders import is_unfilled, mark_unfilled
 from ._ranks import Ranks
-from ._tensors import is_dtensor
 
 if TYPE_CHECKING:
     from ._storage import Index, VerifyingReader
@@ -62,13 +64,13 @@ def load(
     ranks.require_numpy()
     directory = Path(checkpoint_id)
     source = f"checkpoint {directory}"
-    index = ranks.agree(lambda: read_index(directory, ranks.rank), f"reading {directory}")
-    _check_keys_and_shapes(state, index, source, ranks.rank, strict)
+    index = ranks.agree(lambda: read_index(directory), f"reading {directory}")
+    _check_keys_and_shapes(state, index, source, strict)
     wanted = [key for key, path in index.paths.items() if _wants(state, path)]
-    reader = VerifyingReader(directory, ranks.rank)
+    reader = VerifyingReader(directory)
     objects = _read({key: None for key in wanted if key not in index.tensors}, reader, ranks)
     if "optim" in state:
-        _check_optimizer(state["optim"], index, objects, source, ranks.rank)
+        _check_optimizer(state["optim"], index, objects, source)
     staging = {key: _staging_tensor(state, index, key) for key in wanted if key in index.tensors}
     placeholders = [tensor for tensor in staging.values() if is_unfilled(tensor)]
     try:
@@ -93,7 +95,7 @@ def _wants(state: Mapping[str, Any], path: KeyPath) -> bool:
 # ----------------------------------------------------------------------------- checking
 
 
-def _check_keys_and_shapes(state: Mapping[str, Any], index: Index, source: str, rank: int, strict: bool) -> None:
+def _check_keys_and_shapes(state: Mapping[str, Any], index: Index, source: str, strict: bool) -> None:
     """From the index alone: the model's keys (all, or the shared ones unless ``strict``) and
     shapes, the shapes of the optimizer state, and that every other entry of the template was
     saved, with its shape."""
@@ -104,28 +106,28 @@ def _check_keys_and_shapes(state: Mapping[str, Any], index: Index, source: str, 
         expected = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in model.items()}
         if not strict:
             saved, expected = {k: s for k, s in saved.items() if k in expected}, {k: s for k, s in expected.items() if k in saved}
-        check_entries(expected, saved, "model", rank, source)
+        check_entries(expected, saved, "model", source)
         for path, shape in shapes.items():
             param = model.get(path[2]) if path[:2] == _OPTIM_STATE and len(path) == 4 else None
             if isinstance(param, torch.Tensor):
-                check_state_shapes(str(path[2]), {str(path[3]): shape}, tuple(param.shape), rank, source)
+                check_state_shapes({str(path[3]): shape}, tuple(param.shape), str(path[2]), source, CheckpointError)
     extras = [(path, value) for path, value in leaves(state) if path[0] not in ("model", "optim")]
     missing = [".".join(map(str, path)) for path, _ in extras if not covered(path, shapes)]
     if missing:
-        raise CheckpointError(f"rank {rank}: {source} lacks {', '.join(missing)}; nothing was loaded")
+        raise CheckpointError(on_rank(f"{source} lacks {', '.join(missing)}; nothing was loaded"))
     for path, value in extras:
         if isinstance(value, torch.Tensor) and shapes.get(path, tuple(value.shape)) != tuple(value.shape):
-            raise CheckpointError(
-                f"rank {rank}: {source}: '{'.'.join(map(str, path))}' was saved with shape "
-                f"{shapes[path]}, here it has {tuple(value.shape)}; nothing was loaded"
-            )
+            raise CheckpointError(on_rank(
+                f"{source}: '{'.'.join(map(str, path))}' was saved with shape {shapes[path]}, here it "
+                f"has {tuple(value.shape)}; nothing was loaded"
+            ))
 
 
-def _check_optimizer(expected: Mapping[str, Any], index: Index, objects: Mapping[str, Any], source: str, rank: int) -> None:
+def _check_optimizer(expected: Mapping[str, Any], index: Index, objects: Mapping[str, Any], source: str) -> None:
     """The saved param groups and optimizer classes against the template's."""
     saved = nest({index.paths[key][1:]: value for key, value in objects.items() if index.paths[key][0] == "optim"})
     saved["state"] = {path[2]: None for path in index.paths.values() if path[:2] == _OPTIM_STATE and len(path) > 2}
-    check_param_groups(saved, expected, rank, source)
+    check_param_groups(saved, expected, source)
 
 
 # ------------------------------------------------------------------------------ reading
@@ -163,14 +165,15 @@ def _read(flat: dict[str, Any], reader: VerifyingReader, ranks: Ranks) -> dict[s
     return flat
 
 
-def _describe_failures(error: BaseException, rank: int) -> str:
-    """One line per failed rank, from DCP's collected exceptions (ours already name file and key)."""
+def _describe_failures(error: BaseException, group_rank: int) -> str:
+    """One line per failed rank (numbered in the checkpoint's process group, as DCP collects
+    them), from DCP's collected exceptions (ours already name file and key)."""
     failures = getattr(error, "failures", None) or {}
     lines = [
         str(wrapped[0]) if isinstance(wrapped[0], CheckpointError) else f"rank {r}: {wrapped[0]!r}"
         for r, wrapped in sorted(failures.items())
     ]
-    return f"rank {rank}: reading the checkpoint failed, nothing was loaded: " + "; ".join(lines or [str(error)])
+    return on_rank("reading the checkpoint failed, nothing was loaded: " + "; ".join(lines or [str(error)]), group_rank)
 
 
 def _commit(state: MutableMapping[str, Any], values: Mapping[KeyPath, Any]) -> None:

@@ -20,8 +20,8 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch.optim import Optimizer
 
+from .._common.dtensors import local_tensor_of
 from .._common.optimizers import constructor_kwargs
-from ._tensors import local_part
 
 __all__ = ["is_unfilled", "mark_unfilled", "placeholder_states", "unfilled_params", "without_placeholders"]
 
@@ -115,7 +115,7 @@ def _placeholder(value: Any, param: torch.Tensor) -> Any:
     if tuple(value.shape) == tuple(param.shape):
         tensor = torch.zeros_like(param.detach(), dtype=value.dtype)
     else:
-        device = local_part(param).device if value.device.type == "meta" else value.device
+        device = local_tensor_of(param).device if value.device.type == "meta" else value.device
         tensor = torch.zeros(value.shape, dtype=value.dtype, device=device)
     mark_unfilled(tensor)
     return tensor
@@ -123,11 +123,11 @@ def _placeholder(value: Any, param: torch.Tensor) -> Any:
 
 def mark_unfilled(tensor: torch.Tensor) -> None:
     """Remember ``tensor`` as a placeholder nothing has filled yet (again, after a failed load)."""
-    setattr(tensor, _VERSION_AT_CREATION, local_part(tensor)._version)
+    setattr(tensor, _VERSION_AT_CREATION, local_tensor_of(tensor)._version)
 
 
 def is_unfilled(value: Any) -> bool:
     """Whether ``value`` is a placeholder that nothing wrote into since it was marked."""
     created = getattr(value, _VERSION_AT_CREATION, None)
-    return created is not None and local_part(value)._version == created
+    return created is not None and local_tensor_of(value)._version == created
 

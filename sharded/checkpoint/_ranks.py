@@ -13,6 +13,7 @@ from typing import Callable, Optional, TypeVar
 import torch.distributed as dist
 
 from .._common import comm
+from .._common.errors import on_rank
 from ._fit_checks import CheckpointError
 
 __all__ = ["Ranks"]
@@ -21,7 +22,11 @@ T = TypeVar("T")
 
 
 class Ranks:
-    """The process group of one save or load; a single process when none is initialized."""
+    """The process group of one save or load; a single process when none is initialized.
+
+    ``rank`` counts in that group (rank 0 of the group publishes a save); error messages give
+    the global rank, and this one beside it where it differs.
+    """
 
     def __init__(self, group: Optional[dist.ProcessGroup]) -> None:
         self.distributed = dist.is_available() and dist.is_initialized()
@@ -40,10 +45,11 @@ class Ranks:
         try:
             import numpy  # noqa: F401
         except ImportError:
-            raise ImportError(
-                f"rank {self.rank}: torch.distributed.checkpoint needs numpy to save or load on "
-                "more than one rank (its object collectives use it); pip install numpy"
-            ) from None
+            raise ImportError(on_rank(
+                "torch.distributed.checkpoint needs numpy to save or load on more than one rank "
+                "(its object collectives use it); pip install numpy",
+                self.rank,
+            )) from None
 
     def agree(self, step: Callable[[], T], what: str) -> T:
         """Run ``step`` here; raise on every rank if it raised on any (collective)."""
@@ -60,6 +66,6 @@ class Ranks:
         if self.size == 1:
             return
         flags = comm.all_gather_lengths(int(succeeded), self.group)
-        failed = [r for r, ok in enumerate(flags) if not ok]
+        failed = [comm.global_rank(self.group, r) for r, ok in enumerate(flags) if not ok]
         if succeeded and failed:
-            raise CheckpointError(f"rank {self.rank}: {what} failed on rank(s) {failed}; see their errors")
+            raise CheckpointError(on_rank(f"{what} failed on rank(s) {failed}; see their errors", self.rank))

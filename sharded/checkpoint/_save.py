@@ -19,6 +19,7 @@ from typing import Any, Mapping, Optional, Union
 
 import torch.distributed as dist
 
+from .._common.errors import on_rank
 from ._fit_checks import CheckpointError
 from ._placeholders import without_placeholders
 from ._ranks import Ranks
@@ -60,10 +61,10 @@ def save(
                 no_dist=not ranks.distributed,
             )
     except dcp.api.CheckpointException as error:
-        raise CheckpointError(
-            f"rank {ranks.rank}: saving {final} failed; earlier checkpoints are untouched, the "
-            f"partial {partial} is ignored. {error}"
-        ) from error
+        raise CheckpointError(on_rank(
+            f"saving {final} failed; earlier checkpoints are untouched, the partial {partial} is ignored. {error}",
+            ranks.rank,
+        )) from error
     ranks.agree(lambda: _publish(partial, final, ranks.rank), f"publishing {final}")
     return final
 
@@ -84,12 +85,12 @@ def latest_checkpoint(root: Union[str, os.PathLike]) -> Optional[Path]:
     return max(complete)[1] if complete else None
 
 
-def _prepare(final: Path, partial: Path, rank: int) -> None:
-    """Refuse an existing destination; on rank 0, start an empty partial directory (a partial
-    left by an earlier, killed save of the same name is discarded)."""
+def _prepare(final: Path, partial: Path, group_rank: int) -> None:
+    """Refuse an existing destination; on the group's rank 0, start an empty partial directory (a
+    partial left by an earlier, killed save of the same name is discarded)."""
     if final.exists():
-        raise FileExistsError(f"rank {rank}: {final} exists; checkpoints are not overwritten, save under a new name")
-    if rank == 0:
+        raise FileExistsError(on_rank(f"{final} exists; checkpoints are not overwritten, save under a new name", group_rank))
+    if group_rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
 

@@ -20,22 +20,22 @@ template nothing filled. A parameter with no state (frozen, or never given a gra
 from __future__ import annotations
 
 import copy
-from itertools import chain
 from typing import Any, Mapping, Optional
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from .._common.errors import process_rank
+from .._common.dtensors import full_copy, full_model_state_dict
+from .._common.errors import on_rank, process_rank
 from .._common.optimizers import hyperparams
+from .._owners.optim_state import check_state_shapes, shapes_of
 from ..oss import OSS
-from ._fit_checks import CheckpointError, Shape, check_entries, check_filled, check_param_groups, check_state_shapes
-from ._names import Optimizers, as_optimizer_list, inner_optimizer_class, optimizer_fqns, param_fqns, unwrap
+from ._fit_checks import CheckpointError, check_entries, check_filled, check_param_groups
+from ._names import Optimizers, as_optimizer_list, inner_optimizer_class, keyed_by_number, optimizer_fqns, param_fqns, unwrap
 from ._placeholders import placeholder_states, unfilled_params
-from ._tensors import is_dtensor
 
-__all__ = ["get_state_dict", "optimizer_entries", "set_state_dict"]
+__all__ = ["get_state_dict", "set_state_dict"]
 
 
 def get_state_dict(model: nn.Module, optimizers: Optimizers = (), *, full: bool = False) -> dict[str, Any]:
@@ -63,7 +63,7 @@ def get_state_dict(model: nn.Module, optimizers: Optimizers = (), *, full: bool 
         return _rank0_torch_state_dict(module, listed, single=isinstance(optimizers, Optimizer))
     state: dict[str, Any] = {"model": module.state_dict()}
     if listed:
-        state["optim"] = optimizer_entries(listed, param_fqns(module), process_rank())
+        state["optim"] = _optimizer_entries(listed, param_fqns(module))
     return state
 
 
@@ -72,34 +72,34 @@ def set_state_dict(model: nn.Module, optimizers: Optimizers, state: Mapping[str,
     ``model`` and ``optimizers``. Not collective.
 
     Everything is checked before anything is loaded: the model keys and shapes, the param
-    groups (by parameter name, not position), the optimizer class and the state shapes; an error
+    groups (by parameter FQN, not position), the optimizer class and the state shapes; an error
     names what does not fit and leaves model and optimizers untouched. Each ``OSS`` keeps the
     state of the parameters it owns. ``state`` may lack ``"model"`` to load optimizers only.
     """
-    module, listed, rank = unwrap(model), as_optimizer_list(optimizers), process_rank()
-    source = f"rank {rank}'s state dict"
-    check_filled(unfilled_params(state.get("optim", {}).get("state", {})), rank, source)
+    module, listed = unwrap(model), as_optimizer_list(optimizers)
+    source = "the state dict"
+    check_filled(unfilled_params(state.get("optim", {}).get("state", {})), source)
     if "model" in state:
-        check_entries(_shapes(module.state_dict()), _shapes(state["model"]), "model", rank, source)
-    loads = _optimizer_loads(listed, state, param_fqns(module), rank, source) if listed else []
+        check_entries(shapes_of(module.state_dict()), shapes_of(state["model"]), "model", source)
+    loads = _optimizer_loads(listed, state, param_fqns(module), source) if listed else []
     if "model" in state:
         module.load_state_dict(state["model"])
     for optimizer, torch_format in loads:
         optimizer.load_state_dict(torch_format)
 
 
-def optimizer_entries(optimizers: list[Optimizer], names: dict[torch.Tensor, str], rank: int) -> dict[str, Any]:
+def _optimizer_entries(optimizers: list[Optimizer], fqn_of: Mapping[torch.Tensor, str]) -> dict[str, Any]:
     """The ``"optim"`` part of the sharded form for ``optimizers`` (live tensors, no copies)."""
-    description = _optimizer_description(optimizers, names, rank)  # first: it names a stranger parameter
-    state = {names[p]: dict(held) for optimizer in optimizers for p, held in _held_states(optimizer).items()}
+    description = _optimizer_description(optimizers, fqn_of)  # first: it names a stranger parameter
+    state = {fqn_of[p]: dict(held) for optimizer in optimizers for p, held in _held_states(optimizer).items()}
     return {"state": state, **description}
 
 
-def _optimizer_description(optimizers: list[Optimizer], names: dict[torch.Tensor, str], rank: int) -> dict[str, Any]:
+def _optimizer_description(optimizers: list[Optimizer], fqn_of: Mapping[torch.Tensor, str]) -> dict[str, Any]:
     """The param groups (hyperparameters and parameter FQNs) and the class of each."""
     groups, classes = [], []
     for optimizer in optimizers:
-        for group, fqns in zip(optimizer.param_groups, optimizer_fqns(optimizer, names, rank)):
+        for group, fqns in zip(optimizer.param_groups, optimizer_fqns(optimizer, fqn_of)):
             groups.append({**hyperparams(group), "params": fqns})
             classes.append(inner_optimizer_class(optimizer))
     return {"param_groups": groups, "classes": classes}
@@ -120,25 +120,23 @@ def _held_states(optimizer: Optimizer) -> dict[torch.Tensor, Mapping[str, Any]]:
 
 
 def _optimizer_loads(
-    optimizers: list[Optimizer], state: Mapping[str, Any], names: dict[torch.Tensor, str], rank: int, source: str
+    optimizers: list[Optimizer], state: Mapping[str, Any], fqn_of: Mapping[torch.Tensor, str], source: str
 ) -> list[tuple[Optimizer, dict[str, Any]]]:
     """Check ``state["optim"]`` against ``optimizers``; return each one's part in torch format."""
     if "optim" not in state:
-        raise CheckpointError(f"rank {rank}: {source} has no 'optim' entry for the optimizers")
+        raise CheckpointError(on_rank(f"{source} has no 'optim' entry for the optimizers"))
     saved = state["optim"]
-    check_param_groups(saved, _optimizer_description(optimizers, names, rank), rank, source)
-    param_of = {fqn: p for p, fqn in names.items()}
+    check_param_groups(saved, _optimizer_description(optimizers, fqn_of), source)
+    param_of = {fqn: p for p, fqn in fqn_of.items()}
     for fqn, held in saved["state"].items():
-        check_state_shapes(fqn, _shapes(held), tuple(param_of[fqn].shape), rank, source)
+        check_state_shapes(shapes_of(held), tuple(param_of[fqn].shape), fqn, source, CheckpointError)
+    held = {fqn: dict(s) for fqn, s in saved["state"].items() if s}
     loads, start = [], 0
     for optimizer in optimizers:
-        fqns = optimizer_fqns(optimizer, names, rank)
-        index_of = {fqn: i for i, fqn in enumerate(chain.from_iterable(fqns))}
-        saved_groups = saved["param_groups"][start : start + len(fqns)]
+        fqns = optimizer_fqns(optimizer, fqn_of)
+        groups = saved["param_groups"][start : start + len(fqns)]
         start += len(fqns)
-        groups = [{**hyperparams(g), "params": [index_of[f] for f in group]} for g, group in zip(saved_groups, fqns)]
-        held = {index_of[f]: dict(s) for f, s in saved["state"].items() if f in index_of and s}
-        loads.append((optimizer, {"state": held, "param_groups": groups}))
+        loads.append((optimizer, keyed_by_number({"state": held, "param_groups": groups}, fqns)))
     return loads
 
 
@@ -147,7 +145,7 @@ def _optimizer_loads(
 
 def _rank0_torch_state_dict(module: nn.Module, optimizers: list[Optimizer], single: bool) -> dict[str, Any]:
     rank = process_rank()
-    model = {key: _full_copy(value, keep=rank == 0) for key, value in module.state_dict().items()}
+    model = full_model_state_dict(module, rank0_only=True, cpu_offload=True)
     optims = [_full_optimizer_state(optimizer, rank) for optimizer in optimizers]
     if rank != 0:
         return {}
@@ -164,26 +162,8 @@ def _full_optimizer_state(optimizer: Optimizer, rank: int) -> Optional[dict[str,
         return optimizer.state_dict() if rank == 0 else None
     torch_format = optimizer.state_dict()
     state = {
-        index: {key: _full_copy(value, keep=rank == 0) for key, value in held.items()}
+        index: {key: full_copy(value, keep=rank == 0) for key, value in held.items()}
         for index, held in torch_format["state"].items()
     }
     return {"state": state, "param_groups": copy.deepcopy(torch_format["param_groups"])} if rank == 0 else None
-
-
-def _full_copy(value: Any, keep: bool) -> Any:
-    """A CPU copy of ``value`` whole; a DTensor is gathered on every rank first (collective)."""
-    if is_dtensor(value):
-        value = value.full_tensor()
-    if not keep:
-        return None
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    return copy.deepcopy(value)
-
-
-# -------------------------------------------------------------------------------- helpers
-
-
-def _shapes(entries: Mapping[str, Any]) -> dict[str, Shape]:
-    return {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in entries.items()}
 

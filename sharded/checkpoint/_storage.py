@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from .._common.errors import on_rank
 from ._fit_checks import CheckpointError
 from ._paths import KeyPath
 
@@ -63,60 +64,58 @@ class Index:
     tensors: dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
-def read_index(directory: Path, rank: int) -> Index:
+def read_index(directory: Path) -> Index:
     """The checkpoint's index, unpickled safely, after checking every data file it names is
     there and long enough (a truncated file is found here, before anything is read)."""
-    metadata = read_metadata(directory, rank)
+    metadata = read_metadata(directory)
     recorded = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
     paths: dict[str, KeyPath] = {}
     tensors = {}
     for key, entry in metadata.state_dict_metadata.items():
         path = recorded.get(key)
         if not isinstance(path, tuple) or not path:
-            raise CheckpointError(
-                f"rank {rank}: {directory}: no nested path recorded for key '{key}'; only "
-                "checkpoints saved with DCP's default planner can be loaded"
-            )
+            raise CheckpointError(on_rank(
+                f"{directory}: no nested path recorded for key '{key}'; only checkpoints saved with "
+                "DCP's default planner can be loaded"
+            ))
         paths[key] = path
         if isinstance(entry, TensorStorageMetadata):
             tensors[key] = (tuple(entry.size), entry.properties.dtype)
     return Index(paths, tensors)
 
 
-def read_metadata(directory: Path, rank: int) -> Metadata:
+def read_metadata(directory: Path) -> Metadata:
     """DCP's index of the checkpoint in ``directory``, after checking its data files are whole."""
     path = directory / METADATA_FILE
     if not directory.is_dir():
-        raise CheckpointError(f"rank {rank}: {directory}: no such checkpoint directory")
+        raise CheckpointError(on_rank(f"{directory}: no such checkpoint directory"))
     if not path.is_file():
-        raise CheckpointError(
-            f"rank {rank}: {path} is missing: {directory} is not a complete checkpoint (a save "
-            "that did not finish writes no index)"
-        )
+        raise CheckpointError(on_rank(
+            f"{path} is missing: {directory} is not a complete checkpoint (a save that did not "
+            "finish writes no index)"
+        ))
     try:
         with open(path, "rb") as stream:
             metadata = _IndexUnpickler(stream).load()
     except Exception as error:
-        raise CheckpointError(f"rank {rank}: {path}: damaged checkpoint index ({type(error).__name__}: {error})") from error
+        raise CheckpointError(on_rank(f"{path}: damaged checkpoint index ({type(error).__name__}: {error})")) from error
     if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
-        raise CheckpointError(f"rank {rank}: {path} is not a torch.distributed.checkpoint index")
-    _check_data_files(directory, metadata, rank)
+        raise CheckpointError(on_rank(f"{path} is not a torch.distributed.checkpoint index"))
+    _check_data_files(directory, metadata)
     return metadata
 
 
-def _check_data_files(directory: Path, metadata: Metadata, rank: int) -> None:
+def _check_data_files(directory: Path, metadata: Metadata) -> None:
     needed: dict[str, int] = defaultdict(int)
     for info in metadata.storage_data.values():
         needed[info.relative_path] = max(needed[info.relative_path], info.offset + info.length)
     for relative, end in sorted(needed.items()):
         path = directory / relative
         if not path.is_file():
-            raise CheckpointError(f"rank {rank}: {path} is missing; the checkpoint index lists it")
+            raise CheckpointError(on_rank(f"{path} is missing; the checkpoint index lists it"))
         size = path.stat().st_size
         if size < end:
-            raise CheckpointError(
-                f"rank {rank}: {path} is truncated: {size} bytes, the checkpoint index needs {end}"
-            )
+            raise CheckpointError(on_rank(f"{path} is truncated: {size} bytes, the checkpoint index needs {end}"))
 
 
 class _IndexUnpickler(pickle.Unpickler):
@@ -153,13 +152,12 @@ class DataOnlyPlanner(DefaultLoadPlanner):
 class VerifyingReader(FileSystemReader):
     """DCP's file-system reader with a safe index and verified records (see the module doc)."""
 
-    def __init__(self, directory: Path, rank: int) -> None:
+    def __init__(self, directory: Path) -> None:
         super().__init__(directory)
         self.directory = directory
-        self.reading_rank = rank
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        metadata = read_metadata(self.directory, self.reading_rank)
+        metadata = read_metadata(self.directory)
         storage_meta = getattr(metadata, "storage_meta", None)
         if storage_meta is not None and hasattr(self, "load_id"):
             storage_meta.load_id = self.load_id  # as DCP's reader does
@@ -180,13 +178,13 @@ class VerifyingReader(FileSystemReader):
 
     def _read_item(self, stream: IO[bytes], path: Path, item: ReadItem, planner: LoadPlanner) -> None:
         info = self.storage_data[item.storage_index]
-        where = f"rank {self.reading_rank}: {path}, key '{item.storage_index.fqn}'"
+        where = f"{path}, key '{item.storage_index.fqn}'"
         if getattr(info, "transform_descriptors", None):
-            raise CheckpointError(f"{where}: stored with transforms {info.transform_descriptors}, which this reader does not support")
+            raise CheckpointError(on_rank(f"{where}: stored with transforms {info.transform_descriptors}, which this reader does not support"))
         stream.seek(info.offset)
         record = stream.read(info.length)
         if len(record) != info.length:
-            raise CheckpointError(f"{where}: the file ends inside this record (truncated while being read)")
+            raise CheckpointError(on_rank(f"{where}: the file ends inside this record (truncated while being read)"))
         try:
             _check_record(record)
             if item.type == LoadItemType.BYTE_IO:
@@ -194,7 +192,7 @@ class VerifyingReader(FileSystemReader):
             else:
                 _copy_tensor(record, item, planner)
         except Exception as error:
-            raise CheckpointError(f"{where}: unreadable record ({type(error).__name__}: {error})") from error
+            raise CheckpointError(on_rank(f"{where}: unreadable record ({type(error).__name__}: {error})")) from error
 
 
 def _check_record(record: bytes) -> None:

@@ -1,5 +1,8 @@
 """Full (unsharded) parameters on demand, outside forward and backward: FSDP1's
-``summon_full_params`` and full-tensor state dicts built on it."""
+``summon_full_params``, and loading full-tensor state dicts with it.
+
+A full state dict is produced by ``sharded._common.dtensors.full_model_state_dict``, the one
+producer every layer uses (re-exported here for the FSDP1 wrapper)."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from .._common.dtensors import full_model_state_dict
 from .._common.errors import on_rank
 from ._unit import TrainingState, Unit, units_under
 
@@ -35,7 +39,7 @@ def summon_full_params(
     units = units_under(module)
     busy = [u for u in units if u.training_state is not TrainingState.IDLE]
     if busy:
-        raise RuntimeError(f"summon_full_params inside forward or backward ({busy[0]} is {busy[0].training_state.name})")
+        raise RuntimeError(on_rank(f"summon_full_params inside forward or backward ({busy[0]} is {busy[0].training_state.name})"))
     _check_no_tensor_parallel(units)
     for unit in units:
         unit.reshard()
@@ -73,13 +77,6 @@ def _restore_shards(unit: Unit, writeback: bool) -> None:
             with torch.no_grad():
                 sp.local_shard().copy_(sp.rows_of(full.detach()))
         sp.show_sharded()
-
-
-def full_model_state_dict(module: nn.Module) -> dict[str, Any]:
-    """Collective: ``module.state_dict()`` with full tensors for the sharded parameters, on
-    every rank, under the unwrapped model's names."""
-    with summon_full_params(module, writeback=False):
-        return module.state_dict()
 
 
 def load_full_model_state_dict(module: nn.Module, state_dict: Mapping[str, Any], strict: bool = True):

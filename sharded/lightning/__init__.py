@@ -13,6 +13,11 @@ imports Lightning. Strategy classes: :class:`ShardedDDPStrategy` and :class:`Sha
 arguments of Lightning's ``FSDPStrategy``) for the Trainer, and
 ``sharded.lightning.fabric.ShardedDDPStrategy`` and
 ``sharded.lightning.fabric_fsdp.ShardedFSDPStrategy`` for Fabric.
+
+Stages and layers: a strategy's ``stage`` is the ZeRO stage it trains with, and sharded's layer of
+the same number runs it: stage 1 is layer 1 (``OSS``, the model in DDP), stage 2 is layer 2
+(``OSS`` + ``ShardedDataParallel``), stage 3 is layer 3 (``FullyShardedDataParallel``, the
+``ShardedFSDPStrategy``). "Layer" names those parts of sharded, never a model's modules.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ strategy offers; the Trainer's and Fabric's strategies write and read them alike
   file per rank, each rank writing its own shards), holding::
 
       {"model": the module's state dict (this rank's shards),
-       "optim": its optimizers' state, filed by parameter name (as sharded.checkpoint has it),
+       "optim": its optimizers' state, filed by parameter FQN (as sharded.checkpoint has it),
        "lightning": (everything else in the checkpoint,)}
 
   "Everything else" is Lightning's own state (loops, callbacks, schedulers, precision,
@@ -35,7 +35,6 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
@@ -43,8 +42,10 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 
 from .. import checkpoint
+from .._common.dtensors import full_model_state_dict
 from .._common.errors import on_rank
 from ..checkpoint import CheckpointError
+from ..checkpoint._names import is_keyed_by_number, keyed_by_fqn, keyed_by_number, optimizer_fqns, param_fqns
 from ..checkpoint._ranks import Ranks
 from ..checkpoint._storage import METADATA_FILE
 
@@ -68,7 +69,7 @@ _ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)  # full ten
 
 def full_model_state(module: nn.Module) -> dict[str, Any]:
     """Collective: ``module.state_dict()`` with full tensors on the CPU on rank 0; ``{}`` elsewhere."""
-    return get_model_state_dict(module, options=_ON_RANK0)
+    return full_model_state_dict(module, rank0_only=True, cpu_offload=True)
 
 
 def sharded_model_state(module: nn.Module) -> dict[str, Any]:
@@ -80,12 +81,12 @@ def sharded_model_state(module: nn.Module) -> dict[str, Any]:
 def full_optimizer_state(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
     """Collective: ``optimizer``'s whole state in torch's format (``optimizer.state_dict()`` of
     the unsharded model) on rank 0; ``{}`` elsewhere."""
-    by_name = get_optimizer_state_dict(module, optimizer, options=_ON_RANK0)
-    return _keyed_by_index(by_name) if by_name else {}
+    by_fqn: dict[str, Any] = dict(get_optimizer_state_dict(module, optimizer, options=_ON_RANK0))
+    return keyed_by_number(by_fqn, [group["params"] for group in by_fqn["param_groups"]]) if by_fqn else {}
 
 
 def sharded_optimizer_state(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
-    """``optimizer``'s state with each rank's shards, filed by the names of ``module``'s
+    """``optimizer``'s state with each rank's shards, filed by the FQNs of ``module``'s
     parameters: its part of a sharded checkpoint's ``"optim"`` entry."""
     return checkpoint.get_state_dict(module, optimizer)["optim"]
 
@@ -97,10 +98,11 @@ def load_model_state(module: nn.Module, state: Mapping[str, Any], full: bool, st
 
 
 def load_full_optimizer_state(module: nn.Module, optimizer: Optimizer, state: Mapping[str, Any], what: str) -> None:
-    """Collective: load a whole optimizer state (in torch's index-keyed format or keyed by
-    parameter name) into ``optimizer`` over ``module``'s sharded parameters."""
-    by_name = _keyed_by_name(state, module, optimizer, what)
-    set_optimizer_state_dict(module, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
+    """Collective: load a whole optimizer state (in torch's format, parameters numbered, or keyed
+    by parameter FQN) into ``optimizer`` over ``module``'s sharded parameters."""
+    if is_keyed_by_number(state):
+        state = keyed_by_fqn(state, optimizer_fqns(optimizer, param_fqns(module)), what)
+    set_optimizer_state_dict(module, optimizer, dict(state), options=StateDictOptions(full_state_dict=True))
 
 
 # ------------------------------------------------------------------------------ sharded
@@ -119,7 +121,7 @@ def save_sharded(
     ranks = Ranks(None)
     state: dict[str, Any] = {"model": dict(model_state)}
     if optimizer_states:
-        state["optim"] = _merged(optimizer_states, ranks.rank)
+        state["optim"] = _merged(optimizer_states)
     if ranks.rank == 0:
         state[LIGHTNING_KEY] = (dict(extra),)
     if folder.exists():
@@ -151,18 +153,18 @@ def _saved_rest(saved: Any, folder: Path) -> dict[str, Any]:
     ))
 
 
-def _merged(optimizer_states: Sequence[Mapping[str, Any]], rank: int) -> dict[str, Any]:
+def _merged(optimizer_states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The ``"optim"`` entry of several optimizers, as ``sharded.checkpoint.get_state_dict``
     gives it for a list of them."""
     merged: dict[str, Any] = {"state": {}, "param_groups": [], "classes": []}
     for index, part in enumerate(optimizer_states):
         shared = sorted(merged["state"].keys() & part.get("state", {}).keys())
         if shared:
-            raise ValueError(
-                f"rank {rank}: optimizer {index} steps parameters that an earlier one steps too "
-                f"({', '.join(shared[:3])}); a sharded checkpoint files optimizer state by parameter "
-                "name, so each parameter may belong to one optimizer only"
-            )
+            raise ValueError(on_rank(
+                f"optimizer {index} steps parameters that an earlier one steps too ({', '.join(shared[:3])}); "
+                "a sharded checkpoint files optimizer state by parameter FQN, so each parameter may "
+                "belong to one optimizer only"
+            ))
         merged["state"].update(part.get("state", {}))
         merged["param_groups"] += part.get("param_groups", [])
         merged["classes"] += part.get("classes", [])
@@ -172,18 +174,16 @@ def _merged(optimizer_states: Sequence[Mapping[str, Any]], rank: int) -> dict[st
 def _replace(folder: Path, state: Mapping[str, Any], ranks: Ranks) -> None:
     """Save ``state`` as ``.<name>.next`` beside the checkpoint ``folder``, then put it in its place."""
     if not (folder / METADATA_FILE).is_file():
-        raise FileExistsError(
-            f"rank {ranks.rank}: {folder} exists and is not a checkpoint (it has no {METADATA_FILE}), "
-            "so it is not replaced; remove it or save elsewhere"
-        )
+        raise FileExistsError(on_rank(
+            f"{folder} exists and is not a checkpoint (it has no {METADATA_FILE}), so it is not "
+            "replaced; remove it or save elsewhere"
+        ))
     staged = _beside(folder, "next")
     ranks.agree(lambda: _remove_on_rank0(staged, ranks.rank), f"clearing {staged}")
     try:
         checkpoint.save(state, staged)
     except CheckpointError as error:
-        raise CheckpointError(
-            f"rank {ranks.rank}: replacing {folder} failed; it still holds the previous checkpoint. {error}"
-        ) from error
+        raise CheckpointError(on_rank(f"replacing {folder} failed; it still holds the previous checkpoint. {error}")) from error
     ranks.agree(lambda: _swap_on_rank0(staged, folder, ranks.rank), f"replacing {folder}")
 
 
@@ -251,35 +251,3 @@ def load_full(
     for index, (optimizer, state) in enumerate(zip(optimizers, states)):
         load_full_optimizer_state(module, optimizer, state, what=f"{path}: optimizer {index}")
     return rest
-
-
-def _keyed_by_index(state: Mapping[str, Any]) -> dict[str, Any]:
-    """A name-keyed optimizer state as ``torch.optim.Optimizer.state_dict()`` has it: parameters
-    numbered in the order of the param groups."""
-    index: dict[str, int] = {}
-    for group in state["param_groups"]:
-        for name in group["params"]:
-            index.setdefault(name, len(index))
-    return {
-        "state": {index[name]: value for name, value in state["state"].items()},
-        "param_groups": [{**group, "params": [index[name] for name in group["params"]]} for group in state["param_groups"]],
-    }
-
-
-def _keyed_by_name(state: Mapping[str, Any], module: nn.Module, optimizer: Optimizer, what: str) -> dict[str, Any]:
-    """An index-keyed optimizer state (torch's format) keyed by ``module``'s parameter names, as
-    ``optimizer`` orders its parameters; a name-keyed one is returned as it is."""
-    if not any(isinstance(p, int) for group in state["param_groups"] for p in group["params"]):
-        return dict(state)
-    name_of = {id(param): name for name, param in module.named_parameters()}
-    names = [name_of[id(param)] for group in optimizer.param_groups for param in group["params"]]
-    saved = [p for group in state["param_groups"] for p in group["params"]]
-    if sorted(saved) != list(range(len(names))):
-        raise ValueError(on_rank(
-            f"{what} holds the state of {len(saved)} parameters, but the optimizer "
-            f"has {len(names)}; resume with the optimizer (and param groups) that saved it"
-        ))
-    return {
-        "state": {names[i]: value for i, value in state["state"].items()},
-        "param_groups": [{**group, "params": [names[i] for i in group["params"]]} for group in state["param_groups"]],
-    }

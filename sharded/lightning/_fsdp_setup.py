@@ -1,9 +1,10 @@
 """How the FSDP strategy shards a module: its arguments in Lightning's shapes, turned into a call
-of sharded's layer 3, plus activation checkpointing of chosen layers.
+of sharded's layer 3, plus activation checkpointing of chosen submodules (a model's blocks).
 
 Lightning users bring ``FSDPStrategy``'s arguments, which are spelled in torch FSDP1's types
-(``ShardingStrategy`` members or their names, ``CPUOffload``, ``MixedPrecision``, a set of layer
-classes or a policy callable). This module accepts those spellings (torch's objects as well as
+(``ShardingStrategy`` members or their names, ``CPUOffload``, ``MixedPrecision``, a set of module
+classes or a policy callable; Lightning calls these "layer classes", a word sharded keeps for
+its own layers 1-3). This module accepts those spellings (torch's objects as well as
 sharded's) and builds :class:`sharded.fsdp.FullyShardedDataParallel` from them. Nothing here
 imports Lightning.
 """
@@ -53,9 +54,9 @@ class FSDPConfig:
             sharded's or torch's.
         cpu_offload: ``True``/``False`` or a ``CPUOffload`` (sharded's or torch's).
         mixed_precision: a ``MixedPrecision`` (sharded's or torch's) or ``None``.
-        auto_wrap_policy: a set of layer classes or a wrap-policy callable (see
-            :mod:`sharded.fsdp.wrap`), or ``None``: the layers that become units of their own.
-        activation_checkpointing_policy: the same shapes: the layers whose activations are
+        auto_wrap_policy: a set of module classes or a wrap-policy callable (see
+            :mod:`sharded.fsdp.wrap`), or ``None``: the submodules that become units of their own.
+        activation_checkpointing_policy: the same shapes: the submodules whose activations are
             recomputed in backward instead of kept.
         wrapper_kwargs: further arguments of ``FullyShardedDataParallel``.
     """
@@ -134,9 +135,9 @@ def is_sharded(module: nn.Module) -> bool:
 
 
 def shard_module(module: nn.Module, config: FSDPConfig, device: Optional[torch.device]) -> FullyShardedDataParallel:
-    """``module`` sharded as ``config`` says, its meta-device layers materialised unit by unit.
+    """``module`` sharded as ``config`` says, its meta-device submodules materialised unit by unit.
 
-    Layers the user already sharded (``fully_shard`` in ``configure_model``) are kept as they
+    Submodules the user already sharded (``fully_shard`` in ``configure_model``) are kept as they
     are, and only the rest becomes the root unit: the auto-wrap policy applies to unsharded
     models only. Collective.
     """
@@ -201,19 +202,19 @@ def rebuild_optimizers(optimizers: list[Optimizer], names_before: dict[int, str]
 
 
 def checkpoint_activations(module: nn.Module, policy: Optional[Callable[..., bool]]) -> list[nn.Module]:
-    """Make the layers ``policy`` picks recompute their activations in backward; return them.
+    """Make the submodules ``policy`` picks recompute their activations in backward; return them.
 
-    Each picked layer's ``forward`` runs inside ``torch.utils.checkpoint.checkpoint``
+    Each picked submodule's ``forward`` runs inside ``torch.utils.checkpoint.checkpoint``
     (non-reentrant). Only the forward is replaced, on the instance, so parameter names, state
-    dicts and the sharding hooks of the layer stay as they were.
+    dicts and the sharding hooks of the submodule stay as they were.
     """
     if policy is None:
         return []
-    layers = modules_to_wrap(module, policy)
-    for layer in layers:
-        if "forward" not in vars(layer):  # a layer fitted before already recomputes
-            layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
-    return layers
+    picked = modules_to_wrap(module, policy)
+    for sub in picked:
+        if "forward" not in vars(sub):  # a submodule fitted before already recomputes
+            sub.forward = functools.partial(checkpoint, sub.forward, use_reentrant=False)
+    return picked
 
 
 def _as_sharding_strategy(value: Any) -> ShardingStrategy:
@@ -249,7 +250,7 @@ def _as_policy(argument: str, value: Any) -> Optional[Callable[..., bool]]:
         return as_wrap_policy(value)
     except TypeError:
         raise TypeError(on_rank(
-            f"{argument} must be a set of layer classes (nn.Module subclasses) or a wrap-policy "
+            f"{argument} must be a set of module classes (nn.Module subclasses) or a wrap-policy "
             f"callable, got {value!r}"
         )) from None
 

@@ -44,11 +44,12 @@ _SET_BY_STRATEGY = ("self", "module", "sharded_optimizer", "process_group", "red
 
 @dataclass(frozen=True)
 class ShardingConfig:
-    """How a strategy shards: the ZeRO stage and the options of the sharded layers.
+    """How a strategy shards: the ZeRO stage and the options of the layer that runs it.
 
     Args:
-        stage: 1 shards optimizer state (``OSS``, the model wrapped in DDP); 2 also shards
-            gradients (``OSS`` + ``ShardedDataParallel``).
+        stage: the ZeRO stage, run by sharded's layer of that number: 1 shards optimizer state
+            (layer 1: ``OSS``, the model wrapped in DDP); 2 also shards gradients (layer 2:
+            ``OSS`` + ``ShardedDataParallel``).
         reduce_buffer_size: stage 2 only: most elements per gradient bucket (``None``: the
             ``ShardedDataParallel`` default).
         broadcast_fp16: send parameters as fp16 after each step (``OSS``'s option).

@@ -19,6 +19,7 @@ from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
+from .._common.errors import on_rank
 from ..oss import OSS
 from ..sharded_ddp import ShardedDataParallel
 from ._sharding import ShardingConfig, point_schedulers_at, shard_optimizers, wrap_stage2
@@ -118,12 +119,12 @@ class ShardedDDPStrategy(ShardedPrecisionPlugin, DDPStrategy):
     def _check_optimization_mode(self) -> None:
         assert self.lightning_module is not None
         if self.stage == 2 and not self.lightning_module.automatic_optimization:
-            raise RuntimeError(
-                f"rank {self.global_rank}: ShardedDDPStrategy(stage=2) needs automatic optimization: "
+            raise RuntimeError(on_rank(
+                "ShardedDDPStrategy(stage=2) needs automatic optimization: "
                 f"{type(self.lightning_module).__name__} sets automatic_optimization = False, and "
                 "under ZeRO-2 a gradient is reduced to its owner by the backward that Lightning runs. "
                 "Use stage=1 (strategy='ddp_zero1') for manual optimization"
-            )
+            ))
 
     def _refuse_ddp_only_arguments(self, kwargs: dict[str, Any]) -> None:
         """Raise for DDPStrategy arguments this strategy cannot honour."""

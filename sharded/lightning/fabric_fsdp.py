@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from .._common.errors import on_rank
 from . import _fsdp_checkpoint as checkpoints
 from ._fsdp_setup import (
     ShardedRoot,
@@ -165,7 +166,7 @@ class ShardedFSDPStrategy(ShardedFabricPrecision, DDPStrategy):
 
     def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """Collective: the whole state in torch's format on rank 0 (``"full"``), or each rank's
-        shards keyed by parameter name (``"sharded"``)."""
+        shards keyed by parameter FQN (``"sharded"``)."""
         module = self._module_of(optimizer)
         if self._state_dict_type == "full":
             return checkpoints.full_optimizer_state(module, optimizer)
@@ -184,13 +185,13 @@ class ShardedFSDPStrategy(ShardedFabricPrecision, DDPStrategy):
         path = Path(self.broadcast(str(path)))
         if self._state_dict_type == "full":
             if path.is_dir():
-                raise IsADirectoryError(f"rank {self.global_rank}: state_dict_type='full' writes one file, but {path} is a folder")
+                raise IsADirectoryError(on_rank(f"state_dict_type='full' writes one file, but {path} is a folder"))
             super().save_checkpoint(path, state, storage_options, filter)
             return
         if storage_options is not None:
-            raise TypeError(f"rank {self.global_rank}: state_dict_type='sharded' takes no storage_options")
+            raise TypeError(on_rank("state_dict_type='sharded' takes no storage_options"))
         if path.is_file():
-            raise FileExistsError(f"rank {self.global_rank}: state_dict_type='sharded' writes a folder, but {path} is a file")
+            raise FileExistsError(on_rank(f"state_dict_type='sharded' writes a folder, but {path} is a file"))
         module_key, optimizer_keys = self._sharded_objects(state, "save")
         converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
         model_state = converted.pop(module_key, {}) if module_key is not None else {}
@@ -209,7 +210,7 @@ class ShardedFSDPStrategy(ShardedFabricPrecision, DDPStrategy):
         read with ``torch.load(weights_only=True)``, folders by :mod:`sharded.checkpoint`."""
         path = Path(self.broadcast(str(path)))
         if isinstance(state, Optimizer):
-            raise TypeError(f"rank {self.global_rank}: load an optimizer's state with fabric.load(path, {{'optimizer': optimizer}})")
+            raise TypeError(on_rank("load an optimizer's state with fabric.load(path, {'optimizer': optimizer})"))
         wanted: dict[str, Any] = {"module": state} if isinstance(state, nn.Module) else dict(state or {})
         if path.is_dir():
             module_key, optimizer_keys = self._sharded_objects(wanted, "load")
@@ -219,7 +220,7 @@ class ShardedFSDPStrategy(ShardedFabricPrecision, DDPStrategy):
             saved = checkpoints.read_file(path)
             saved = {"module": saved} if isinstance(state, nn.Module) else saved
         else:
-            raise FileNotFoundError(f"rank {self.global_rank}: checkpoint {path} does not exist")
+            raise FileNotFoundError(on_rank(f"checkpoint {path} does not exist"))
         if not wanted:
             return saved
         rest = self._restore(wanted, saved, strict)
@@ -233,16 +234,16 @@ class ShardedFSDPStrategy(ShardedFabricPrecision, DDPStrategy):
         modules = [key for key, obj in state.items() if isinstance(obj, nn.Module)]
         optimizers = sorted(key for key, obj in state.items() if isinstance(obj, Optimizer))
         if len(modules) > 1:
-            raise ValueError(
-                f"rank {self.global_rank}: cannot {action} modules {', '.join(modules)} in one sharded "
+            raise ValueError(on_rank(
+                f"cannot {action} modules {', '.join(modules)} in one sharded "
                 "checkpoint: it holds one module and its optimizers, as with Fabric's own FSDPStrategy; "
                 "use one checkpoint per module"
-            )
+            ))
         if optimizers and not modules:
-            raise ValueError(
-                f"rank {self.global_rank}: {action} optimizers {', '.join(optimizers)} together with the "
-                "module whose parameters they step: a sharded checkpoint files their state by parameter name"
-            )
+            raise ValueError(on_rank(
+                f"{action} optimizers {', '.join(optimizers)} together with the "
+                "module whose parameters they step: a sharded checkpoint files their state by parameter FQN"
+            ))
         return (modules[0] if modules else None), optimizers
 
     def _restore(self, wanted: dict[str, Any], saved: dict[str, Any], strict: bool) -> dict[str, Any]:
@@ -250,7 +251,7 @@ class ShardedFSDPStrategy(ShardedFabricPrecision, DDPStrategy):
         object of ``wanted``; plain values are replaced."""
         missing = sorted(set(wanted) - set(saved))
         if strict and missing:
-            raise KeyError(f"rank {self.global_rank}: the checkpoint holds no {', '.join(missing)}; pass strict=False to skip them")
+            raise KeyError(on_rank(f"the checkpoint holds no {', '.join(missing)}; pass strict=False to skip them"))
         for key, obj in wanted.items():
             if key not in saved:
                 continue
@@ -271,10 +272,10 @@ class ShardedFSDPStrategy(ShardedFabricPrecision, DDPStrategy):
         for module in reversed(self._modules):
             if held <= {id(p) for p in module.parameters()}:
                 return module
-        raise ValueError(
-            f"rank {self.global_rank}: an optimizer ({type(optimizer).__name__}) steps parameters of no module set up "
+        raise ValueError(on_rank(
+            f"an optimizer ({type(optimizer).__name__}) steps parameters of no module set up "
             "by this strategy; build it from the parameters of the module fabric.setup returned"
-        )
+        ))
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:

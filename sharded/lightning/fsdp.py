@@ -28,6 +28,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.optim import Optimizer
 
+from .._common.errors import on_rank
 from . import _fsdp_checkpoint as checkpoints
 from ._fsdp_setup import ShardedRoot, checkpoint_activations, is_sharded, parse_strategy_arguments, shard_module, with_hybrid_mesh
 from .precision import ShardedPrecisionPlugin
@@ -62,9 +63,10 @@ class ShardedFSDPStrategy(ShardedPrecisionPlugin, DDPStrategy):
             keep shards, gradients and the optimizer step on the CPU.
         mixed_precision: a ``MixedPrecision`` (sharded's or torch FSDP's): the dtypes
             parameters are gathered and computed in, and gradients reduced in.
-        auto_wrap_policy: a set of layer classes or a wrap-policy callable
-            (:mod:`sharded.fsdp.wrap`): the layers that become units. ``None``: one unit.
-        activation_checkpointing_policy: the same shapes: the layers whose activations are
+        auto_wrap_policy: a set of module classes (Lightning's "layer classes", e.g. a
+            transformer block) or a wrap-policy callable (:mod:`sharded.fsdp.wrap`): the
+            submodules that become units. ``None``: one unit.
+        activation_checkpointing_policy: the same shapes: the submodules whose activations are
             recomputed in backward instead of kept.
         sharding_strategy: ``"FULL_SHARD"`` (ZeRO-3), ``"SHARD_GRAD_OP"`` (parameters kept
             from forward to backward), ``"NO_SHARD"`` (DDP) or ``"HYBRID_SHARD"`` (sharded
@@ -209,7 +211,7 @@ class ShardedFSDPStrategy(ShardedPrecisionPlugin, DDPStrategy):
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """Collective: the whole state in torch's format on rank 0 (``"full"``) or each rank's
-        shards filed by parameter name (``"sharded"``)."""
+        shards filed by parameter FQN (``"sharded"``)."""
         assert self.lightning_module is not None
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
@@ -223,19 +225,19 @@ class ShardedFSDPStrategy(ShardedPrecisionPlugin, DDPStrategy):
         path = Path(self.broadcast(str(filepath)))
         if self._state_dict_type == "full":
             if path.is_dir():
-                raise IsADirectoryError(
-                    f"rank {self.global_rank}: state_dict_type='full' writes one file, but {path} is a folder "
+                raise IsADirectoryError(on_rank(
+                    f"state_dict_type='full' writes one file, but {path} is a folder "
                     "(a sharded checkpoint?); remove it or save elsewhere"
-                )
+                ))
             super().save_checkpoint(checkpoint, path, storage_options)
             return
         if storage_options is not None:
-            raise TypeError(f"rank {self.global_rank}: state_dict_type='sharded' writes through torch.distributed.checkpoint, which takes no storage_options")
+            raise TypeError(on_rank("state_dict_type='sharded' writes through torch.distributed.checkpoint, which takes no storage_options"))
         if path.is_file():
-            raise FileExistsError(
-                f"rank {self.global_rank}: state_dict_type='sharded' writes a folder, but {path} is a file "
+            raise FileExistsError(on_rank(
+                f"state_dict_type='sharded' writes a folder, but {path} is a file "
                 "(a full checkpoint?); remove it or save elsewhere"
-            )
+            ))
         rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         checkpoints.save_sharded(path, checkpoint["state_dict"], checkpoint.get("optimizer_states", []), rest)
 
@@ -252,7 +254,7 @@ class ShardedFSDPStrategy(ShardedPrecisionPlugin, DDPStrategy):
         if path.is_dir():
             return checkpoints.load_sharded(path, module, optimizers, module.strict_loading)
         if not path.is_file():
-            raise FileNotFoundError(f"rank {self.global_rank}: checkpoint {path} does not exist")
+            raise FileNotFoundError(on_rank(f"checkpoint {path} does not exist"))
         checkpoint = checkpoints.read_file(path)
         return checkpoints.load_full(checkpoint, module, optimizers, module.strict_loading, path)
 
