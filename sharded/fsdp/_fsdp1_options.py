@@ -187,10 +187,20 @@ def fsdp1_options(
 def _strategy(sharding_strategy: Optional[ShardingStrategy], reshard_after_forward: Optional[bool]) -> ShardingStrategy:
     """FSDP1's ``sharding_strategy`` (default ``FULL_SHARD``) or fairscale's ``reshard_after_forward``."""
     if reshard_after_forward is None:
-        return sharding_strategy or ShardingStrategy.FULL_SHARD
+        return ShardingStrategy.FULL_SHARD if sharding_strategy is None else _as_our_strategy(sharding_strategy)
     if sharding_strategy is not None:
         raise ValueError(on_rank("pass sharding_strategy or fairscale's reshard_after_forward, not both"))
     return ShardingStrategy.FULL_SHARD if reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
+
+
+def _as_our_strategy(strategy: object) -> ShardingStrategy:
+    """``strategy`` as our :class:`ShardingStrategy`: torch's enum of that name (code written for
+    torch's FSDP passes it) maps by name; anything else raises."""
+    if isinstance(strategy, ShardingStrategy):
+        return strategy
+    if isinstance(strategy, enum.Enum) and strategy.name in ShardingStrategy.__members__:
+        return ShardingStrategy[strategy.name]
+    raise TypeError(on_rank(f"sharding_strategy must be a ShardingStrategy (sharded's or torch's), got {strategy!r}"))
 
 
 def _check_group_pair(process_group: ProcessGroups, strategy: ShardingStrategy) -> None:
