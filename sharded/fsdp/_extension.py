@@ -72,7 +72,7 @@ def shard_with_extension(sp: ShardedParam, full: torch.Tensor) -> None:
     the subclass (``new_zeros``), this rank's part of it viewed and filled."""
     with torch.no_grad():
         detached = full.detach()
-        local = sp.local_part(detached.new_zeros(sp.geometry.slot_numel))
+        local = sp.real_rows(detached.new_zeros(sp.geometry.slot_numel))
         if not full.is_meta:
             local.copy_(sp.rows_of(detached))
     sp.attach_local(local, requires_grad=full.requires_grad)

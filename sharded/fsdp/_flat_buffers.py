@@ -84,7 +84,7 @@ class UnitStorage:
         flat = self._new_flat(fulls[0].dtype if fulls else torch.float32, device)
         for sp, full, slot in zip(self.params, fulls, self._slots(flat)):
             if not on_meta:
-                sp.local_part(slot).copy_(sp.rows_of(full.detach()))
+                sp.real_rows(slot).copy_(sp.rows_of(full.detach()))
             sp.attach_shard(slot, requires_grad=full.requires_grad)
         self.sharded_flat = flat
 
@@ -92,7 +92,7 @@ class UnitStorage:
         """Repack if a parameter's local tensor is no longer a view of its slot (``to_empty``,
         ``module.to(...)`` or a replaced parameter gave it new storage)."""
         locals_ = [sp.local_shard() for sp in self.params]
-        if all(_is_view(local, sp.local_part(slot)) for sp, local, slot in zip(self.params, locals_, self._slots(self.sharded_flat))):
+        if all(_is_view(local, sp.real_rows(slot)) for sp, local, slot in zip(self.params, locals_, self._slots(self.sharded_flat))):
             return
         self._check_materialised(locals_, where)
         dtypes = {local.dtype for local in locals_}
@@ -100,7 +100,7 @@ class UnitStorage:
             raise TypeError(f"{where}: the unit's parameters now have different dtypes {sorted(map(str, dtypes))}; a unit needs one dtype")
         flat = self._new_flat(locals_[0].dtype, self._storage_device(locals_[0].device))
         for sp, local, slot in zip(self.params, locals_, self._slots(flat)):
-            sp.local_part(slot).copy_(local)
+            sp.real_rows(slot).copy_(local)
             sp.attach_shard(slot, requires_grad=sp.requires_grad)
         self.sharded_flat = flat
 
@@ -212,7 +212,7 @@ class GradientLayout:
         ``received``) for each parameter some rank had a gradient for (``every``: for all)."""
         used = [True] * len(self.params) if every else self._used_anywhere(received)
         slots = received.split(self.widths)
-        return [(sp, sp.local_part(slot)) for sp, slot, is_used in zip(self.params, slots, used) if is_used]
+        return [(sp, sp.real_rows(slot)) for sp, slot, is_used in zip(self.params, slots, used) if is_used]
 
     def _used_anywhere(self, received: torch.Tensor) -> list[bool]:
         """Which parameters got a gradient on some rank. Reading the flags costs a device sync,

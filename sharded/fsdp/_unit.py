@@ -26,7 +26,7 @@ from ._flat_buffers import UnitStorage, pack_gradients
 from ._hooks import cast_floats, register_pre_backward, watch_input_gradients
 from ._param import ShardedParam
 from ._placement.mesh import MeshInfo
-from ._placement.secondary_shard import SecondaryShard
+from ._placement.secondary_shard import SecondaryShardGroup, secondary_shard_world
 from ._reduce_ops import division_plan
 from ._reduction import GradientShards, ReduceSettings, Reduction
 from ._registry import register_sharded, retire
@@ -64,7 +64,7 @@ class UnitConfig:
 
     mp_policy: MixedPrecisionPolicy
     offload_policy: Optional[OffloadPolicy]
-    reshard_after_forward: Union[bool, int, None]  # None: True, except for the root; int: hpZ's world
+    reshard_after_forward: Union[bool, int, None]  # None: True, except for the root; int: the secondary shard's world
 
     @property
     def offloads(self) -> bool:
@@ -151,8 +151,8 @@ class Unit:
         self.training_state = TrainingState.IDLE
         self.root: Optional[Root] = None  # the Root of the model this unit runs in, set at the first forward
         self.reshard_after_forward = config.reshard_after_forward
-        self.secondary_shard: Optional[SecondaryShard] = None  # reshard_after_forward=k: the group of k
-        self._post_forward_piece: Optional[torch.Tensor] = None  # kept after forward for the backward gather
+        self.secondary_group: Optional[SecondaryShardGroup] = None  # reshard_after_forward=k: the group of k
+        self._secondary_shard: Optional[torch.Tensor] = None  # kept after forward for the backward gather
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
         self.requires_all_reduce = True
@@ -261,13 +261,13 @@ class Unit:
         self.adopt_assigned_params()
         self.storage.ensure_shards_current(where=repr(self))
         self.storage.prepare_unsharded()
-        piece, self._post_forward_piece = self._post_forward_piece, None
+        kept, self._secondary_shard = self._secondary_shard, None
         if not self.storage.aliases_shards and self.storage.shard_numel:
             self.streams.all_gather_after_compute()  # e.g. the optimizer step wrote the shards
             source, group, world = self.storage.sharded_flat, self.mesh_info.shard_group, self.mesh_info.shard_world
             in_backward = self.root is not None and self.root.in_backward
-            if piece is not None and self.secondary_shard is not None and in_backward:  # after an hpZ forward
-                source, group, world = piece, self.secondary_shard.group, self.secondary_shard.world
+            if kept is not None and self.secondary_group is not None and in_backward:  # after a forward that kept it
+                source, group, world = kept, self.secondary_group.group, self.secondary_group.world
             with self.streams.on_all_gather(), record_function(self.labels.all_gather):
                 self._gather = start_all_gather(
                     source, self.storage.unsharded_dtype, self.device, group, world, self.custom_all_gather
@@ -284,7 +284,7 @@ class Unit:
         if self._gather is not None:
             with self.streams.on_all_gather():
                 gathered = self._gather.wait()
-                self._keep_post_forward_piece(gathered)
+                self._keep_secondary_shard(gathered)
                 self.storage.allocate_unsharded()
                 self.storage.copy_out(gathered)
                 ready = self.streams.record()
@@ -299,12 +299,12 @@ class Unit:
             sp.show_unsharded()
         self.shard_state = ShardState.UNSHARDED
 
-    def _keep_post_forward_piece(self, gathered: torch.Tensor) -> None:
-        """``reshard_after_forward=k``: keep this rank's piece of a forward's gather for backward."""
-        hpz = isinstance(self.reshard_after_forward, int) and not isinstance(self.reshard_after_forward, bool)
+    def _keep_secondary_shard(self, gathered: torch.Tensor) -> None:
+        """``reshard_after_forward=k``: keep this rank's secondary shard of a forward's gather for backward."""
+        keeps = secondary_shard_world(self.reshard_after_forward) is not None
         forward = self.training_state is TrainingState.FORWARD and not self.running_root.in_backward
-        if hpz and self.secondary_shard is not None and forward and torch.is_grad_enabled():
-            self._post_forward_piece = self.secondary_shard.rows(gathered, self.mesh_info.shard_world)
+        if keeps and self.secondary_group is not None and forward and torch.is_grad_enabled():
+            self._secondary_shard = self.secondary_group.cut(gathered, self.mesh_info.shard_world)
 
     def reshard(self) -> None:
         """Show the sharded parameters again and free the gathered ones."""
@@ -509,7 +509,7 @@ class Unit:
             if sp.unsharded is not None:
                 sp.unsharded.grad = None
         self._partial_reduction = None
-        self._post_forward_piece = None
+        self._secondary_shard = None
         self._modules_to_run = set()
         self.training_state = TrainingState.IDLE
         self.awaiting_backward = False
@@ -524,7 +524,7 @@ class Unit:
             self.reshard()
         else:
             self.wait_for_unshard()
-        self._post_forward_piece = None
+        self._secondary_shard = None
         self.training_state = TrainingState.IDLE
         self.awaiting_backward = False
         self._open_forward_calls = 0

@@ -5,7 +5,7 @@ This file validates arguments and wires things up; the mechanism is in the priva
 buffers, and its gradients' packing; ``_collectives``: all-gather and reduce-scatter, moving
 bytes only; ``_reduction``: a gradient reduction in flight; ``_unit``: a unit's lifecycle;
 ``_root``: the model-wide forward/backward duties; ``_layout`` / ``_spmd``: DTensor parameters
-(tensor parallelism, ``dp_mesh_dims``); ``_secondary_shard``: ``reshard_after_forward=k``).
+(tensor parallelism, ``dp_mesh_dims``); ``_placement.secondary_shard``: ``reshard_after_forward=k``).
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ from ._hooks import install_forward_hooks, install_state_dict_hooks
 from ._param import ShardedParam, ShardGeometry
 from ._placement.dtensor import layout_for, local_tensor_of
 from ._placement.mesh import MeshInfo, resolve_mesh
-from ._placement.secondary_shard import secondary_shard_for
+from ._placement.secondary_shard import secondary_shard_group, secondary_shard_world
 from ._placement.spmd import resolve_spmd_mesh, spmd_layout
 from ._registry import install_optimizer_guard, register_sharded, retire
 from ._unit import Unit, UnitConfig
-from .policies import MixedPrecisionPolicy, OffloadPolicy
+from .policies import MixedPrecisionPolicy
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
 
@@ -130,9 +130,10 @@ def fully_shard(
         sp.gather_extension = has_gather_extension(param, name, sp.geometry.dim)
     _check_tensor_parallel_params(params)
     unit = Unit(modules, params, info, UnitConfig(mp_policy, offload_policy, reshard_after_forward))
-    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
-        _check_plain_params(params, reshard_after_forward)
-        unit.secondary_shard = secondary_shard_for(info, reshard_after_forward)
+    secondary_world = secondary_shard_world(reshard_after_forward)
+    if secondary_world is not None:
+        _check_plain_params(params, secondary_world)
+        unit.secondary_group = secondary_shard_group(info, secondary_world)
     unit.shard_from_full([local_tensor_of(param) for _, param, _ in taken])
     for sp, (_, original, _) in zip(params, taken):
         sp.show_sharded()
@@ -153,7 +154,7 @@ fully_shard.state = state_of  # type: ignore[attr-defined]  # torch's fully_shar
 def _spmd_mesh(process_group: Any, mesh: Optional[DeviceMesh], dp_mesh_dims: Any, reshard_after_forward: Any) -> MeshInfo:
     if process_group is not None:
         raise ValueError(on_rank("fully_shard(dp_mesh_dims=...) takes the SPMD mesh as mesh=, not process_group="))
-    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+    if secondary_shard_world(reshard_after_forward) is not None:
         raise NotImplementedError(on_rank("fully_shard: reshard_after_forward as int is not yet supported with SPMD mesh (dp_mesh_dims)"))
     return resolve_spmd_mesh(mesh, dp_mesh_dims)
 
