@@ -22,7 +22,7 @@ from .._common.checks import check_same_across_ranks
 from .._common.errors import on_rank
 from ._extension import check_no_late_hooks
 from ._reduction import Reduction
-from ._unit import ShardState, TrainingState, Unit, units_under
+from ._unit import ShardState, TrainingState, Unit, unit_of, units_under
 
 __all__ = ["Root"]
 
@@ -66,8 +66,8 @@ class Root:
         for u in units:
             u.root = root
             u.context = unit.context
-            if u.reshard_after_forward is None:  # FSDP2's default: True, except for the root
-                u.reshard_after_forward = u is not unit
+            if u.settings.reshard_after_forward is None:  # FSDP2's default: True, except for the root
+                u.settings.reshard_after_forward = u is not unit
         for u in units:  # parameters assigned before the first forward are named by their paths too
             u.adopt_assigned_params(shards_only=True)
         root._name_by_paths(unit.module)
@@ -125,20 +125,22 @@ class Root:
         for name, order in (("forward", self.forward_order), ("backward", self.backward_order)):
             self._after[name] = dict(zip(order, order[1:]))
         for u in self.units:
-            unused_prefetch = u is not self.unit and not u.awaiting_backward and u.reshard_after_forward
+            unused_prefetch = u is not self.unit and not u.awaiting_backward and u.settings.reshard_after_forward
             if not grad_enabled or (unused_prefetch and u.shard_state is not ShardState.SHARDED):
                 u.reshard()
 
     def prefetch_forward(self, unit: Unit) -> None:
         """Start the all-gather of the unit(s) to run after ``unit``."""
-        targets = unit.forward_prefetch if unit.forward_prefetch is not None else self._next("forward", unit)
+        asked = unit.settings.forward_prefetch
+        targets = _units_of(asked) if asked is not None else self._next("forward", unit)
         for target in targets:
             target.unshard(async_op=True)
 
     def prefetch_backward(self, unit: Unit) -> None:
         """Start the all-gather of the unit(s) whose backward comes after ``unit``'s."""
-        if unit.backward_prefetch is not None:
-            targets = unit.backward_prefetch
+        asked = unit.settings.backward_prefetch
+        if asked is not None:
+            targets = _units_of(asked)
         else:
             targets = [u for u in self._next("backward", unit) if u.awaiting_backward]
         for target in targets:
@@ -172,7 +174,7 @@ class Root:
 
     def _max_in_flight(self) -> int:
         """``set_reduce_scatter_max_input_buffers``: the largest any unit asked for."""
-        asked = [u.max_reductions_in_flight for u in self.units if u.max_reductions_in_flight is not None]
+        asked = [u.settings.max_reductions_in_flight for u in self.units if u.settings.max_reductions_in_flight is not None]
         return max(asked, default=MAX_REDUCTIONS_IN_FLIGHT)
 
     def reset(self) -> None:
@@ -198,9 +200,14 @@ class Root:
                 self._reductions.pop(0).finish()
             for streams in {u.streams for u in self.units}:
                 streams.compute_after_reduce_scatter()
-                if any(u.config.offloads for u in self.units):
+                if any(u.settings.offloads for u in self.units):
                     streams.host_waits(streams.record())  # gradients copied to the CPU
             for u in self.units:
                 u.finish_step()
         finally:
             self.in_backward = False
+
+
+def _units_of(modules: list[nn.Module]) -> list[Unit]:
+    """The units of prefetch targets (modules ``fully_shard`` was applied to, checked when set)."""
+    return [u for u in map(unit_of, modules) if u is not None]

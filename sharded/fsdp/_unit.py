@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence, Union, cast
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -26,17 +26,17 @@ from ._flat_buffers import UnitStorage, pack_gradients
 from ._hooks import cast_floats, register_pre_backward, watch_input_gradients
 from ._param import ShardedParam
 from ._placement.mesh import MeshInfo
-from ._placement.secondary_shard import SecondaryShardGroup, secondary_shard_world
 from ._reduce_ops import division_plan
 from ._reduction import GradientShards, ReduceSettings, Reduction
 from ._registry import register_sharded, retire
 from ._streams import CommStreams
-from .policies import BackwardPrefetch, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._settings import StepContext, UnitSettings
+from .policies import BackwardPrefetch
 
 if TYPE_CHECKING:
     from ._root import Root
 
-__all__ = ["ShardState", "TrainingState", "UnitConfig", "StepContext", "ProfilerLabels", "Unit", "unit_of", "units_under"]
+__all__ = ["ShardState", "TrainingState", "ProfilerLabels", "Unit", "unit_of", "units_under"]
 
 # A module keeps the unit fully_shard made over it in its own __dict__: a global map would be
 # kept alive by the unit's references to its modules, so a model dropped by its user, with every
@@ -56,28 +56,6 @@ class TrainingState(enum.Enum):
     FORWARD = enum.auto()
     PRE_BACKWARD = enum.auto()  # backward reached the unit; its own backward ops are running
     POST_BACKWARD = enum.auto()  # its backward is done and its gradients are on their way
-
-
-@dataclass(frozen=True)
-class UnitConfig:
-    """What ``fully_shard`` was asked for."""
-
-    mp_policy: MixedPrecisionPolicy
-    offload_policy: Optional[OffloadPolicy]
-    reshard_after_forward: Union[bool, int, None]  # None: True, except for the root; int: the secondary shard's world
-
-    @property
-    def offloads(self) -> bool:
-        return isinstance(self.offload_policy, CPUOffloadPolicy)
-
-
-@dataclass
-class StepContext:
-    """Settings of a whole model's step, shared by all its units once the root is known
-    (``set_is_last_backward``, ``set_post_optim_event``)."""
-
-    is_last_backward: bool = True
-    post_optim_event: Optional[Any] = None
 
 
 @dataclass(frozen=True)
@@ -109,12 +87,8 @@ def units_under(module: nn.Module) -> list["Unit"]:
 class Unit:
     """One ``fully_shard`` call's parameters, with their collectives and lifecycle.
 
-    Settings users change through the module's methods (FSDP2's ``FSDPModule`` API):
-    ``reshard_after_forward``, ``reshard_after_backward``, ``requires_gradient_sync``,
-    ``requires_all_reduce``, explicit ``forward_prefetch`` / ``backward_prefetch`` lists and
-    ``backward_prefetch_timing``, ``unshard_in_backward``, and how gradients are reduced
-    (``gradient_divide_factor``, ``force_sum_reduction``, ``reduce_scatter_unused_params``,
-    ``all_reduce_hook``, custom collectives, a separate reduce-scatter group).
+    ``settings`` (:class:`~._settings.UnitSettings`): what ``fully_shard`` was given and what
+    the module's methods (FSDP2's ``FSDPModule`` API) change later.
 
     ``modules``: the module(s) one ``fully_shard`` call was given; a list makes one unit that
     all of them use (e.g. a final norm and the output head).
@@ -124,55 +98,36 @@ class Unit:
     FQN. Paths are known once the root is (:meth:`name_by_paths`); until then, the class names.
     """
 
-    def __init__(self, modules: Sequence[nn.Module], params: Sequence[ShardedParam], mesh_info: MeshInfo, config: UnitConfig) -> None:
+    def __init__(self, modules: Sequence[nn.Module], params: Sequence[ShardedParam], mesh_info: MeshInfo, settings: UnitSettings) -> None:
         self.modules = list(modules)
         self.module = self.modules[0]
         self._class_names = [type(m).__name__ for m in self.modules]  # before fully_shard swaps the classes
         self.name_by_paths([""] * len(self.modules))
         self.params = list(params)
         self.mesh_info = mesh_info
-        self.config = config
+        self.settings = settings
         self.device = mesh_info.device
         plain = [sp for sp in self.params if not sp.gather_extension]
         self.storage = UnitStorage(
             plain,
             mesh_info.shard_world,
             self.device,
-            offload_to_cpu=config.offloads,
-            pin_memory=isinstance(config.offload_policy, CPUOffloadPolicy) and config.offload_policy.pin_memory,
-            unsharded_dtype=config.mp_policy.param_dtype,
+            offload_to_cpu=settings.offloads,
+            pin_memory=settings.pins_memory,
+            unsharded_dtype=settings.mp_policy.param_dtype,
         )
         extended = [sp for sp in self.params if sp.gather_extension]
-        self.extensions = ExtensionGather(extended, mesh_info.mesh, config.mp_policy, self.device) if extended else None
+        self.extensions = ExtensionGather(extended, mesh_info.mesh, settings.mp_policy, self.device) if extended else None
         if self.device not in _STREAMS:
             _STREAMS[self.device] = CommStreams(self.device)
         self.streams = _STREAMS[self.device]
         self.shard_state = ShardState.SHARDED
         self.training_state = TrainingState.IDLE
         self.root: Optional[Root] = None  # the Root of the model this unit runs in, set at the first forward
-        self.reshard_after_forward = config.reshard_after_forward
-        self.secondary_group: Optional[SecondaryShardGroup] = None  # reshard_after_forward=k: the group of k
         self._secondary_shard: Optional[torch.Tensor] = None  # kept after forward for the backward gather
-        self.reshard_after_backward = True
-        self.requires_gradient_sync = True
-        self.requires_all_reduce = True
-        self.unshard_in_backward = True
-        self.unshard_async_op = True  # False: the forward's all-gather lands before prefetches start
-        self.gradient_divide_factor: Optional[float] = None
-        self.force_sum_reduction = False
-        self.reduce_scatter_unused_params = False
-        self.max_reductions_in_flight: Optional[int] = None
-        self.all_reduce_hook: Optional[Any] = None
-        self.all_reduce_hook_stream: Optional[Any] = None
-        self.custom_all_gather: Optional[Any] = None
-        self.custom_reduce_scatter: Optional[Any] = None
-        self.reduce_scatter_group: Optional[dist.ProcessGroup] = None
         self.context = StepContext()
         self._partial_reduction: Optional[torch.Tensor] = None  # hybrid, all-reduce deferred
         self._modules_to_run: set[nn.Module] = set()  # of a list unit, in this forward
-        self.forward_prefetch: Optional[list[Unit]] = None
-        self.backward_prefetch: Optional[list[Unit]] = None
-        self.backward_prefetch_timing: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE
         self._gather: Optional[PendingGather] = None
         self.awaiting_backward = False  # ran a grad-enabled forward whose backward is not finished
         self._open_forward_calls = 0  # grad-enabled forward calls whose inputs' gradients are pending
@@ -203,7 +158,7 @@ class Unit:
 
     @property
     def reduce_dtype(self) -> torch.dtype:
-        mp = self.config.mp_policy
+        mp = self.settings.mp_policy
         return mp.reduce_dtype or mp.param_dtype or self._master_dtype
 
     @property
@@ -266,15 +221,15 @@ class Unit:
             self.streams.all_gather_after_compute()  # e.g. the optimizer step wrote the shards
             source, group, world = self.storage.sharded_flat, self.mesh_info.shard_group, self.mesh_info.shard_world
             in_backward = self.root is not None and self.root.in_backward
-            if kept is not None and self.secondary_group is not None and in_backward:  # after a forward that kept it
-                source, group, world = kept, self.secondary_group.group, self.secondary_group.world
+            if kept is not None and self.settings.secondary_shard is not None and in_backward:  # after a forward that kept it
+                source, group, world = kept, self.settings.secondary_shard.group, self.settings.secondary_shard.world
             with self.streams.on_all_gather(), record_function(self.labels.all_gather):
                 self._gather = start_all_gather(
-                    source, self.storage.unsharded_dtype, self.device, group, world, self.custom_all_gather
+                    source, self.storage.unsharded_dtype, self.device, group, world, self.settings.custom_all_gather
                 )
         if self.extensions is not None:
             with self.streams.on_all_gather(), record_function(self.labels.all_gather):
-                self.extensions.start(self.mesh_info.shard_group, self.mesh_info.shard_world, self.custom_all_gather)
+                self.extensions.start(self.mesh_info.shard_group, self.mesh_info.shard_world, self.settings.custom_all_gather)
         self.shard_state = ShardState.GATHERING
 
     def wait_for_unshard(self) -> None:
@@ -301,10 +256,9 @@ class Unit:
 
     def _keep_secondary_shard(self, gathered: torch.Tensor) -> None:
         """``reshard_after_forward=k``: keep this rank's secondary shard of a forward's gather for backward."""
-        keeps = secondary_shard_world(self.reshard_after_forward) is not None
         forward = self.training_state is TrainingState.FORWARD and not self.running_root.in_backward
-        if keeps and self.secondary_group is not None and forward and torch.is_grad_enabled():
-            self._secondary_shard = self.secondary_group.cut(gathered, self.mesh_info.shard_world)
+        if self.settings.secondary_shard is not None and forward and torch.is_grad_enabled():
+            self._secondary_shard = self.settings.secondary_shard.cut(gathered, self.mesh_info.shard_world)
 
     def reshard(self) -> None:
         """Show the sharded parameters again and free the gathered ones."""
@@ -328,12 +282,12 @@ class Unit:
             return args, kwargs
         if self.training_state is not TrainingState.FORWARD:  # the first of a list unit's modules
             self._begin_forward(root)
-        mp = self.config.mp_policy
+        mp = self.settings.mp_policy
         if mp.param_dtype is not None and mp.cast_forward_inputs:
             args, kwargs = cast_floats((args, kwargs), mp.param_dtype)
         if torch.is_grad_enabled():
             self.awaiting_backward = True
-            self._sync_this_backward = self.requires_gradient_sync
+            self._sync_this_backward = self.settings.requires_gradient_sync
             watched = watch_input_gradients(self._on_input_gradients, args, kwargs)
             self._open_forward_calls += watched
             self._reduce_at_end = self._reduce_at_end or not watched
@@ -367,7 +321,7 @@ class Unit:
         if root.unit is self:
             root.begin_forward()
         root.record_forward(self)
-        self.unshard(async_op=self.unshard_async_op)
+        self.unshard(async_op=self.settings.unshard_async_op)
         root.prefetch_forward(self)
         self.wait_for_unshard()
 
@@ -384,8 +338,8 @@ class Unit:
                 self.training_state = TrainingState.IDLE
             else:
                 self.complete_forward(grad_enabled)
-        if self.config.mp_policy.output_dtype is not None:
-            output = cast_floats(output, self.config.mp_policy.output_dtype)
+        if self.settings.mp_policy.output_dtype is not None:
+            output = cast_floats(output, self.settings.mp_policy.output_dtype)
         if root.unit is self and not root.in_backward:
             root.end_forward(grad_enabled)
         return output
@@ -395,7 +349,7 @@ class Unit:
         parameters unless backward will want them kept."""
         self._modules_to_run = set()
         self.running_root.record_forward_end(self)
-        if not (grad_enabled and self.reshard_after_forward is False):
+        if not (grad_enabled and self.settings.reshard_after_forward is False):
             self.reshard()
         self.training_state = TrainingState.IDLE
 
@@ -406,13 +360,13 @@ class Unit:
         if self.training_state is TrainingState.PRE_BACKWARD:
             return
         self.training_state = TrainingState.PRE_BACKWARD
-        if self.unshard_in_backward:
+        if self.settings.unshard_in_backward:
             self.unshard(async_op=True)
         # the next unit's all-gather starts once this one's has landed and been copied out: two
         # gathers in flight beside a copy-out would hold a third unit-sized buffer at the moment
         # backward holds the most activations; its gather still overlaps this unit's backward
         self.wait_for_unshard()
-        if self.backward_prefetch_timing is BackwardPrefetch.BACKWARD_PRE:
+        if self.settings.backward_prefetch_timing is BackwardPrefetch.BACKWARD_PRE:
             self.running_root.prefetch_backward(self)
 
     def _on_input_gradients(self) -> None:
@@ -443,11 +397,11 @@ class Unit:
         if not sending:
             for sp in trainable:
                 sp.keep_unsynced(self.reduce_dtype)
-        if self.reshard_after_backward:  # first: the gathered parameters go before the send buffer comes
+        if self.settings.reshard_after_backward:  # first: the gathered parameters go before the send buffer comes
             self.reshard()
         if sending:
             self.running_root.add_reduction(lambda: self._start_reduction(trainable, grads))
-        if self.backward_prefetch_timing is BackwardPrefetch.BACKWARD_POST:
+        if self.settings.backward_prefetch_timing is BackwardPrefetch.BACKWARD_POST:
             self.running_root.prefetch_backward(self)
 
     def _start_reduction(self, params: list[ShardedParam], grads: list[Optional[torch.Tensor]]) -> Reduction:
@@ -461,7 +415,7 @@ class Unit:
             sent, layout = pack_gradients(params, grads, world, lambda numel: new_buffer(numel, dtype, device, comm))
             grads.clear()
             settings.plan.scale_sent(sent)
-            group = self.reduce_scatter_group or self.mesh_info.shard_group
+            group = self.settings.reduce_scatter_group or self.mesh_info.shard_group
             scatter = start_reduce_scatter(sent, group, world, settings.plan.scatter_op, comm)
         reduction = Reduction(scatter, layout, settings, self.streams, self.labels.land_gradients, self._land_gradients)
         if world == 1:
@@ -474,22 +428,20 @@ class Unit:
             sp.add_to_sharded_grad(local_grad)
 
     def _reduce_settings(self) -> ReduceSettings:
-        info = self.mesh_info
+        info, asked = self.mesh_info, self.settings
         replicas = info.mesh.size(0) if info.replicate_group is not None else 1
-        plan = division_plan(
-            self.reduce_dtype, info.shard_world, replicas, self.gradient_divide_factor, self.force_sum_reduction
-        )
+        plan = division_plan(self.reduce_dtype, info.shard_world, replicas, asked.gradient_divide_factor, asked.force_sum_reduction)
         carried, self._partial_reduction = self._partial_reduction, None
         return ReduceSettings(
             plan,
             replicate_group=info.replicate_group,
-            all_reduce_now=self.requires_all_reduce,
+            all_reduce_now=asked.requires_all_reduce,
             carried=carried,
             keep_partial=self._keep_partial,
-            hook=self.all_reduce_hook,
-            hook_stream=(self.all_reduce_hook_stream, self.device) if self.all_reduce_hook_stream is not None else None,
-            land_unused=self.reduce_scatter_unused_params,
-            comm=self.custom_reduce_scatter,
+            hook=asked.all_reduce_hook,
+            hook_stream=(asked.all_reduce_hook_stream, self.device) if asked.all_reduce_hook_stream is not None else None,
+            land_unused=asked.reduce_scatter_unused_params,
+            comm=asked.custom_reduce_scatter,
         )
 
     def _keep_partial(self, scattered: torch.Tensor) -> None:
@@ -520,7 +472,7 @@ class Unit:
         """End of backward: every gradient has landed. An all-gather still in flight (prefetched
         for a backward that never reached the unit) is finished or freed here, not left for the
         next forward, or for the interpreter at exit, to find."""
-        if self.reshard_after_backward:
+        if self.settings.reshard_after_backward:
             self.reshard()
         else:
             self.wait_for_unshard()

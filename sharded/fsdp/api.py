@@ -30,8 +30,9 @@ from ._placement.mesh import MeshInfo, resolve_mesh
 from ._placement.secondary_shard import secondary_shard_group, secondary_shard_world
 from ._placement.spmd import resolve_spmd_mesh, spmd_layout
 from ._registry import install_optimizer_guard, register_sharded, retire
-from ._unit import Unit, UnitConfig
-from .policies import MixedPrecisionPolicy
+from ._settings import UnitSettings
+from ._unit import Unit
+from .policies import MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
 
@@ -129,11 +130,7 @@ def fully_shard(
     for sp, (name, param, _) in zip(params, taken):
         sp.gather_extension = has_gather_extension(param, name, sp.geometry.dim)
     _check_tensor_parallel_params(params)
-    unit = Unit(modules, params, info, UnitConfig(mp_policy, offload_policy, reshard_after_forward))
-    secondary_world = secondary_shard_world(reshard_after_forward)
-    if secondary_world is not None:
-        _check_plain_params(params, secondary_world)
-        unit.secondary_group = secondary_shard_group(info, secondary_world)
+    unit = Unit(modules, params, info, _unit_settings(info, params, mp_policy, offload_policy, reshard_after_forward))
     unit.shard_from_full([local_tensor_of(param) for _, param, _ in taken])
     for sp, (_, original, _) in zip(params, taken):
         sp.show_sharded()
@@ -157,6 +154,19 @@ def _spmd_mesh(process_group: Any, mesh: Optional[DeviceMesh], dp_mesh_dims: Any
     if secondary_shard_world(reshard_after_forward) is not None:
         raise NotImplementedError(on_rank("fully_shard: reshard_after_forward as int is not yet supported with SPMD mesh (dp_mesh_dims)"))
     return resolve_spmd_mesh(mesh, dp_mesh_dims)
+
+
+def _unit_settings(
+    info: MeshInfo, params: list[ShardedParam], mp_policy: MixedPrecisionPolicy, offload_policy: Optional[OffloadPolicy],
+    reshard_after_forward: Union[bool, int, None],
+) -> UnitSettings:
+    """The new unit's settings. ``reshard_after_forward=k`` is ``True`` with a secondary shard
+    group of ``k`` ranks (collective: it may create that group)."""
+    world = secondary_shard_world(reshard_after_forward)
+    if world is None:
+        return UnitSettings(mp_policy, offload_policy, None if reshard_after_forward is None else bool(reshard_after_forward))
+    _check_plain_params(params, world)
+    return UnitSettings(mp_policy, offload_policy, reshard_after_forward=True, secondary_shard=secondary_shard_group(info, world))
 
 
 def _check_tensor_parallel_params(params: list[ShardedParam]) -> None:

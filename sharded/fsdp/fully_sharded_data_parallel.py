@@ -200,7 +200,7 @@ class FullyShardedDataParallel(nn.Module):
             mp_policy = _mp_policy(mixed_precision, root=sub is module)
             fully_shard(sub, mp_policy=mp_policy, ignored_params=_own(sub, ignored), **shard)
         for unit in units_under(module):
-            unit.backward_prefetch_timing = backward_prefetch
+            unit.settings.backward_prefetch_timing = backward_prefetch
         self.module = module
         self.sharding_strategy = strategy
         self.register_load_state_dict_pre_hook(_restore_wrapper_prefix)
