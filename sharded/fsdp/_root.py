@@ -125,7 +125,7 @@ class Root:
         for name, order in (("forward", self.forward_order), ("backward", self.backward_order)):
             self._after[name] = dict(zip(order, order[1:]))
         for u in self.units:
-            unused_prefetch = u is not self.unit and not u.awaiting_backward and u.settings.reshard_after_forward
+            unused_prefetch = u is not self.unit and not u.backward.awaiting and u.settings.reshard_after_forward
             if not grad_enabled or (unused_prefetch and u.shard_state is not ShardState.SHARDED):
                 u.reshard()
 
@@ -142,7 +142,7 @@ class Root:
         if asked is not None:
             targets = _units_of(asked)
         else:
-            targets = [u for u in self._next("backward", unit) if u.awaiting_backward]
+            targets = [u for u in self._next("backward", unit) if u.backward.awaiting]
         for target in targets:
             if target.training_state is not TrainingState.POST_BACKWARD:
                 target.unshard(async_op=True)

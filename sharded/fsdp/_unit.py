@@ -23,7 +23,7 @@ from .._common.errors import on_rank
 from ._collectives import PendingGather, new_buffer, start_all_gather, start_reduce_scatter
 from ._extension import ExtensionGather, shard_with_extension
 from ._flat_buffers import UnitStorage, pack_gradients
-from ._hooks import cast_floats, register_pre_backward, watch_input_gradients
+from ._hooks import BackwardTracker, cast_floats, register_pre_backward
 from ._param import ShardedParam
 from ._placement.mesh import MeshInfo
 from ._reduce_ops import division_plan
@@ -129,13 +129,7 @@ class Unit:
         self._partial_reduction: Optional[torch.Tensor] = None  # hybrid, all-reduce deferred
         self._modules_to_run: set[nn.Module] = set()  # of a list unit, in this forward
         self._gather: Optional[PendingGather] = None
-        self.awaiting_backward = False  # ran a grad-enabled forward whose backward is not finished
-        self._open_forward_calls = 0  # grad-enabled forward calls whose inputs' gradients are pending
-        # a grad-enabled call had no input needing a gradient, so no hook tells when its backward
-        # is done: the unit's gradients are sent at the end of backward (e.g. a list unit with
-        # the token embedding, whose weight is tied to the head: one reduction, not two)
-        self._reduce_at_end = False
-        self._sync_this_backward = True
+        self.backward = BackwardTracker()
         for module in self.modules:
             module.__dict__[_UNIT_ATTRIBUTE] = self
 
@@ -286,11 +280,7 @@ class Unit:
         if mp.param_dtype is not None and mp.cast_forward_inputs:
             args, kwargs = cast_floats((args, kwargs), mp.param_dtype)
         if torch.is_grad_enabled():
-            self.awaiting_backward = True
-            self._sync_this_backward = self.settings.requires_gradient_sync
-            watched = watch_input_gradients(self._on_input_gradients, args, kwargs)
-            self._open_forward_calls += watched
-            self._reduce_at_end = self._reduce_at_end or not watched
+            self.backward.watch_forward_call(args, kwargs, self.settings.requires_gradient_sync, self._on_backward_done)
         return args, kwargs
 
     def _runs_as_new_forward(self) -> bool:
@@ -307,7 +297,7 @@ class Unit:
         # its gradients already, so no backward of its is pending
         if self.training_state in (TrainingState.FORWARD, TrainingState.POST_BACKWARD):
             return True
-        return not self.awaiting_backward
+        return not self.backward.awaiting
 
     def _begin_forward(self, root: Root) -> None:
         """Enter FORWARD and gather. A model's forward also records the order units run in and
@@ -369,12 +359,9 @@ class Unit:
         if self.settings.backward_prefetch_timing is BackwardPrefetch.BACKWARD_PRE:
             self.running_root.prefetch_backward(self)
 
-    def _on_input_gradients(self) -> None:
-        if self._open_forward_calls > 0:
-            self._open_forward_calls -= 1
-            done = self._open_forward_calls == 0 and not self._reduce_at_end
-            if done and self.training_state is TrainingState.PRE_BACKWARD:
-                self.post_backward()
+    def _on_backward_done(self) -> None:
+        if self.training_state is TrainingState.PRE_BACKWARD:
+            self.post_backward()
 
     @property
     def needs_post_backward(self) -> bool:
@@ -386,13 +373,13 @@ class Unit:
             return True
         if self.training_state is TrainingState.POST_BACKWARD:
             return any(sp.unsharded is not None and sp.unsharded.grad is not None for sp in self.params)
-        return self.awaiting_backward
+        return self.backward.awaiting
 
     def post_backward(self) -> None:
         """Send the unit's gradients (or keep them locally with sync off), then reshard."""
         self.training_state = TrainingState.POST_BACKWARD
         trainable = [sp for sp in self.params if sp.requires_grad]
-        sending = bool(trainable) and self._sync_this_backward
+        sending = bool(trainable) and self.backward.syncs
         grads = [sp.take_unsharded_grad(self.reduce_dtype) for sp in trainable] if sending else []
         if not sending:
             for sp in trainable:
@@ -464,9 +451,7 @@ class Unit:
         self._secondary_shard = None
         self._modules_to_run = set()
         self.training_state = TrainingState.IDLE
-        self.awaiting_backward = False
-        self._open_forward_calls = 0
-        self._reduce_at_end = False
+        self.backward.reset()
 
     def finish_step(self) -> None:
         """End of backward: every gradient has landed. An all-gather still in flight (prefetched
@@ -478,9 +463,7 @@ class Unit:
             self.wait_for_unshard()
         self._secondary_shard = None
         self.training_state = TrainingState.IDLE
-        self.awaiting_backward = False
-        self._open_forward_calls = 0
-        self._reduce_at_end = False
+        self.backward.reset()
 
     # ------------------------------------------------------------------ full parameters
 
