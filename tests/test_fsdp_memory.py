@@ -19,6 +19,12 @@ from tests._harness import run_on_ranks
 from tests._models import gpt_loss, token_batch
 
 
+def _storage(unit):
+    """The flat buffers of a unit with plain parameters only (every unit of these models)."""
+    (storage,) = unit.gathers
+    return storage
+
+
 def _watch_gathered(units):
     """Record, after every unit's all-gather completes, how many units hold gathered memory and
     how many bytes of gathered parameters exist."""
@@ -29,7 +35,7 @@ def _watch_gathered(units):
         def recorded(finish=finish):
             finish()
             held = sum(u.shard_state is not ShardState.SHARDED for u in units)
-            seen.append((held, sum(u.storage.unsharded_bytes() for u in units)))
+            seen.append((held, sum(_storage(u).unsharded_bytes() for u in units)))
 
         unit.wait_for_unshard = recorded
     return seen
@@ -64,7 +70,7 @@ def _watch_reductions(units):
         def checked(params, grads, unit=unit, start=start):
             in_flight = unit.running_root._reductions
             assert len(in_flight) < MAX_REDUCTIONS_IN_FLIGHT, f"{len(in_flight)} reductions in flight as {unit} packs"
-            assert unit.storage.unsharded_bytes() == 0, f"{unit} still gathered as it packs its gradients"
+            assert _storage(unit).unsharded_bytes() == 0, f"{unit} still gathered as it packs its gradients"
             reduction = start(params, grads)
             assert grads == [], f"{unit} kept its full gradients past packing"
             assert all(r._scatter.sent is None for r in in_flight + [reduction]), "a send buffer outlived its copy"
@@ -89,7 +95,7 @@ def _check_memory(rank, world):
         loss = gpt_loss(model, token_batch(rank, step, vocab=128))
         gathered = [u for u in units if u.shard_state is not ShardState.SHARDED]
         assert gathered == [root], f"between forward and backward {len(gathered)} units are gathered"
-        assert sum(u.storage.unsharded_bytes() for u in units) == root.storage.unsharded_bytes() > 0
+        assert sum(_storage(u).unsharded_bytes() for u in units) == _storage(root).unsharded_bytes() > 0
         during.clear()
         backward_gathers.clear()
         loss.backward()
@@ -103,9 +109,9 @@ def _check_memory(rank, world):
         assert not overlapping, f"all-gathers started while others were in flight: {overlapping}"
         # the unit computing, the one prefetched for it, and the root (needed last)
         assert max(held for held, _ in during) <= 3, f"{max(during)} units were gathered at once during backward"
-        block_bytes = max(u.storage.world * u.storage.shard_numel * 4 for u in units[1:])
+        block_bytes = max(_storage(u).world * _storage(u).shard_numel * 4 for u in units[1:])
         largest = max(gathered_bytes for _, gathered_bytes in during)
-        assert largest <= root.storage.unsharded_bytes() + 2 * block_bytes, f"{largest} bytes gathered at once"
+        assert largest <= _storage(root).unsharded_bytes() + 2 * block_bytes, f"{largest} bytes gathered at once"
         optimizer.step()
     assert len(reduced) == 2 * len(units), f"{len(reduced)} reductions seen"
     assert all(u.shard_state is ShardState.SHARDED for u in units), "a unit stayed gathered at rest"

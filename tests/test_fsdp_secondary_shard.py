@@ -67,14 +67,14 @@ def _secondary_shard_cases(rank, world, store_path):
         forward_sizes = list(sizes)
         weight = ours.blocks[0].mlp[0].weight
         assert isinstance(weight, DTensor) and weight.placements == (Shard(0),), "the module shows its shards"
-        kept = unit_of(ours.blocks[0])._secondary_shard
-        assert kept is not None and kept.numel() == unit_of(ours.blocks[0]).storage.shard_numel * world // 2
+        (storage,) = unit_of(ours.blocks[0]).gathers
+        assert storage._secondary_shard is not None and storage._secondary_shard.numel() == storage.shard_numel * world // 2
         loss.backward()
     assert set(forward_sizes) == {world} and set(sizes[len(forward_sizes) :]) == {2}, sizes
-    assert unit_of(ours.blocks[0])._secondary_shard is None, "backward frees the secondary shard"
+    assert storage._secondary_shard is None, "backward frees the secondary shard"
     with torch.no_grad():
         ours(token_batch(rank, 8)[:, :-1])
-    assert all(unit_of(b)._secondary_shard is None for b in ours.blocks), "no secondary shard kept without grad"
+    assert all(unit_of(b).gathers[0]._secondary_shard is None for b in ours.blocks), "no secondary shard kept without grad"
 
     # against DDP + SGD, plain and with activation checkpointing
     reentrant = lambda: RecomputedGPT(reentrant=True)  # noqa: E731

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence, cast
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -20,12 +20,14 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from .._common.errors import on_rank
-from ._collectives import PendingGather, new_buffer, start_all_gather, start_reduce_scatter
-from ._extension import ExtensionGather, shard_with_extension
+from ._collectives import new_buffer, start_reduce_scatter
+from ._extension import ExtensionGather
 from ._flat_buffers import UnitStorage, pack_gradients
+from ._gather import GatherRoute, ParamGather
 from ._hooks import BackwardTracker, cast_floats, register_pre_backward
 from ._param import ShardedParam
 from ._placement.mesh import MeshInfo
+from ._placement.secondary_shard import SecondaryShardGroup
 from ._reduce_ops import division_plan
 from ._reduction import GradientShards, ReduceSettings, Reduction
 from ._registry import register_sharded, retire
@@ -107,28 +109,16 @@ class Unit:
         self.mesh_info = mesh_info
         self.settings = settings
         self.device = mesh_info.device
-        plain = [sp for sp in self.params if not sp.gather_extension]
-        self.storage = UnitStorage(
-            plain,
-            mesh_info.shard_world,
-            self.device,
-            offload_to_cpu=settings.offloads,
-            pin_memory=settings.pins_memory,
-            unsharded_dtype=settings.mp_policy.param_dtype,
-        )
-        extended = [sp for sp in self.params if sp.gather_extension]
-        self.extensions = ExtensionGather(extended, mesh_info.mesh, settings.mp_policy, self.device) if extended else None
+        self.gathers = _gathers_for(self.params, mesh_info, settings)
         if self.device not in _STREAMS:
             _STREAMS[self.device] = CommStreams(self.device)
         self.streams = _STREAMS[self.device]
         self.shard_state = ShardState.SHARDED
         self.training_state = TrainingState.IDLE
         self.root: Optional[Root] = None  # the Root of the model this unit runs in, set at the first forward
-        self._secondary_shard: Optional[torch.Tensor] = None  # kept after forward for the backward gather
         self.context = StepContext()
         self._partial_reduction: Optional[torch.Tensor] = None  # hybrid, all-reduce deferred
         self._modules_to_run: set[nn.Module] = set()  # of a list unit, in this forward
-        self._gather: Optional[PendingGather] = None
         self.backward = BackwardTracker()
         for module in self.modules:
             module.__dict__[_UNIT_ATTRIBUTE] = self
@@ -157,15 +147,13 @@ class Unit:
 
     @property
     def _master_dtype(self) -> torch.dtype:
-        return self.storage.dtype if self.storage.params else self.params[0].local_shard().dtype
+        return self.gathers[0].dtype
 
     def shard_from_full(self, fulls: Sequence[torch.Tensor]) -> None:
-        """Build the shards from the full parameters (in ``params`` order): the flat buffers for
-        plain ones, the subclass's own for those with the all-gather extension."""
-        self.storage.shard_from_full([full for sp, full in zip(self.params, fulls) if not sp.gather_extension])
-        for sp, full in zip(self.params, fulls):
-            if sp.gather_extension:
-                shard_with_extension(sp, full)
+        """Build the shards from the full parameters (in ``params`` order)."""
+        full_of = {id(sp): full for sp, full in zip(self.params, fulls)}
+        for gather in self.gathers:
+            gather.shard_from_full([full_of[id(sp)] for sp in gather.params])
 
     def reshard_at_rest(self) -> None:
         """Before a state dict is read or loaded: show the shards (a unit kept gathered after
@@ -208,63 +196,55 @@ class Unit:
 
     def _start_gather(self) -> None:
         self.adopt_assigned_params()
-        self.storage.ensure_shards_current(where=repr(self))
-        self.storage.prepare_unsharded()
-        kept, self._secondary_shard = self._secondary_shard, None
-        if not self.storage.aliases_shards and self.storage.shard_numel:
-            self.streams.all_gather_after_compute()  # e.g. the optimizer step wrote the shards
-            source, group, world = self.storage.sharded_flat, self.mesh_info.shard_group, self.mesh_info.shard_world
-            in_backward = self.root is not None and self.root.in_backward
-            if kept is not None and self.settings.secondary_shard is not None and in_backward:  # after a forward that kept it
-                source, group, world = kept, self.settings.secondary_shard.group, self.settings.secondary_shard.world
-            with self.streams.on_all_gather(), record_function(self.labels.all_gather):
-                self._gather = start_all_gather(
-                    source, self.storage.unsharded_dtype, self.device, group, world, self.settings.custom_all_gather
-                )
-        if self.extensions is not None:
-            with self.streams.on_all_gather(), record_function(self.labels.all_gather):
-                self.extensions.start(self.mesh_info.shard_group, self.mesh_info.shard_world, self.settings.custom_all_gather)
+        for gather in self.gathers:
+            gather.prepare(where=repr(self))
+        self.streams.all_gather_after_compute()  # e.g. the optimizer step wrote the shards
+        route = self._gather_route()
+        with self.streams.on_all_gather(), record_function(self.labels.all_gather):
+            for gather in self.gathers:
+                gather.start(route)
         self.shard_state = ShardState.GATHERING
+
+    def _gather_route(self) -> GatherRoute:
+        """Over the shard group; in backward, a secondary shard kept by the forward is gathered
+        within its group instead."""
+        info, secondary = self.mesh_info, self.settings.secondary_shard
+        in_backward = self.root is not None and self.root.in_backward
+        return GatherRoute(info.shard_group, info.shard_world, self.settings.custom_all_gather, secondary if in_backward else None)
 
     def wait_for_unshard(self) -> None:
         """Finish an all-gather in flight and show the full parameters to the module."""
         if self.shard_state is not ShardState.GATHERING:
             return
-        if self._gather is not None:
-            with self.streams.on_all_gather():
-                gathered = self._gather.wait()
-                self._keep_secondary_shard(gathered)
-                self.storage.allocate_unsharded()
-                self.storage.copy_out(gathered)
-                ready = self.streams.record()
-            self._gather = None
-            self.streams.compute_waits(ready)
-        if self.extensions is not None:
-            with self.streams.on_all_gather():
-                self.extensions.finish(self.mesh_info.shard_world)
-                ready = self.streams.record()
-            self.streams.compute_waits(ready)
+        keep = self._secondary_shard_to_keep()
+        with self.streams.on_all_gather():
+            for gather in self.gathers:
+                gather.finish(keep)
+            ready = self.streams.record()
+        self.streams.compute_waits(ready)
         for sp in self.params:
             sp.show_unsharded()
         self.shard_state = ShardState.UNSHARDED
 
-    def _keep_secondary_shard(self, gathered: torch.Tensor) -> None:
-        """``reshard_after_forward=k``: keep this rank's secondary shard of a forward's gather for backward."""
+    def _secondary_shard_to_keep(self) -> Optional[SecondaryShardGroup]:
+        """``reshard_after_forward=k``: a grad-enabled forward's gather keeps this rank's
+        secondary shard for backward."""
         forward = self.training_state is TrainingState.FORWARD and not self.running_root.in_backward
-        if self.settings.secondary_shard is not None and forward and torch.is_grad_enabled():
-            self._secondary_shard = self.settings.secondary_shard.cut(gathered, self.mesh_info.shard_world)
+        return self.settings.secondary_shard if forward and torch.is_grad_enabled() else None
 
     def reshard(self) -> None:
         """Show the sharded parameters again and free the gathered ones."""
         if self.shard_state is ShardState.SHARDED:
             return
         self.wait_for_unshard()
+        self._show_shards()
+
+    def _show_shards(self) -> None:
         for sp in self.params:
             sp.show_sharded()
         self.streams.all_gather_after_compute()
-        self.storage.free_unsharded()
-        if self.extensions is not None:
-            self.extensions.free()
+        for gather in self.gathers:
+            gather.free()
         self.shard_state = ShardState.SHARDED
 
     # ------------------------------------------------------------------------ forward
@@ -438,17 +418,15 @@ class Unit:
         """Back to rest after a failed forward or backward: gathered parameters freed, the
         step's gradients not yet reduced (accumulated with sync off, or awaiting a deferred
         all-reduce) dropped."""
-        if self._gather is not None:
-            self._gather.wait()
-        if self.extensions is not None:
-            self.extensions.wait()
-        self.reshard()
+        for gather in self.gathers:
+            gather.discard()  # an all-gather in flight is waited for, not copied out
+        if self.shard_state is not ShardState.SHARDED:
+            self._show_shards()
         for sp in self.params:
             sp.unsynced_grad = None
             if sp.unsharded is not None:
                 sp.unsharded.grad = None
         self._partial_reduction = None
-        self._secondary_shard = None
         self._modules_to_run = set()
         self.training_state = TrainingState.IDLE
         self.backward.reset()
@@ -461,7 +439,8 @@ class Unit:
             self.reshard()
         else:
             self.wait_for_unshard()
-        self._secondary_shard = None
+        for gather in self.gathers:
+            gather.discard()  # a secondary shard no backward gathered
         self.training_state = TrainingState.IDLE
         self.backward.reset()
 
@@ -470,13 +449,29 @@ class Unit:
     def gather_full_copies(self, device: Optional[torch.device] = None) -> list[torch.Tensor]:
         """Collective: fresh full copies of the parameters in the shards' own dtype."""
         self.adopt_assigned_params(shards_only=True)
-        self.storage.ensure_shards_current(where=repr(self))
-        storage = self.storage
-        info = self.mesh_info
-        plain: Iterator[torch.Tensor] = iter(())
-        if storage.params:
-            with record_function(self.labels.all_gather):
-                pending = start_all_gather(storage.sharded_flat, storage.dtype, self.device, info.shard_group, info.shard_world)
-            plain = iter(storage.full_copies(pending.wait()))
-        fulls = [cast(DTensor, sp.sharded).full_tensor() if sp.gather_extension else next(plain) for sp in self.params]
+        route = GatherRoute(self.mesh_info.shard_group, self.mesh_info.shard_world)
+        with record_function(self.labels.all_gather):
+            copies = {
+                id(sp): full for gather in self.gathers for sp, full in zip(gather.params, gather.full_copies(route, where=repr(self)))
+            }
+        fulls = [copies[id(sp)] for sp in self.params]
         return [full.to(device) for full in fulls] if device is not None else fulls
+
+
+def _gathers_for(params: list[ShardedParam], mesh_info: MeshInfo, settings: UnitSettings) -> list[ParamGather]:
+    """The plain parameters' flat buffers, then the all-gather extension's, each if any."""
+    plain = [sp for sp in params if not sp.gather_extension]
+    extended = [sp for sp in params if sp.gather_extension]
+    gathers: list[ParamGather] = []
+    if plain:
+        gathers.append(UnitStorage(
+            plain,
+            mesh_info.shard_world,
+            mesh_info.device,
+            offload_to_cpu=settings.offloads,
+            pin_memory=settings.pins_memory,
+            unsharded_dtype=settings.mp_policy.param_dtype,
+        ))
+    if extended:
+        gathers.append(ExtensionGather(extended, mesh_info.mesh, settings.mp_policy, mesh_info.device))
+    return gathers
