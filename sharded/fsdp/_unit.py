@@ -10,7 +10,6 @@ execution order, prefetching, the end of backward) belongs to its :class:`~._roo
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
@@ -20,16 +19,15 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from .._common.errors import on_rank
-from ._collectives import new_buffer, start_reduce_scatter
+from ._collectives import ProfilerLabels
 from ._extension import ExtensionGather
-from ._flat_buffers import UnitStorage, pack_gradients
+from ._flat_buffers import UnitStorage
 from ._gather import GatherRoute, ParamGather
 from ._hooks import BackwardTracker, cast_floats, register_pre_backward
 from ._param import ShardedParam
 from ._placement.mesh import MeshInfo
 from ._placement.secondary_shard import SecondaryShardGroup
-from ._reduce_ops import division_plan
-from ._reduction import GradientShards, ReduceSettings, Reduction
+from ._reduction import GradientReducer, Reduction
 from ._registry import register_sharded, retire
 from ._streams import CommStreams
 from ._settings import StepContext, UnitSettings
@@ -38,7 +36,7 @@ from .policies import BackwardPrefetch
 if TYPE_CHECKING:
     from ._root import Root
 
-__all__ = ["ShardState", "TrainingState", "ProfilerLabels", "Unit", "unit_of", "units_under"]
+__all__ = ["ShardState", "TrainingState", "Unit", "unit_of", "units_under"]
 
 # A module keeps the unit fully_shard made over it in its own __dict__: a global map would be
 # kept alive by the unit's references to its modules, so a model dropped by its user, with every
@@ -58,20 +56,6 @@ class TrainingState(enum.Enum):
     FORWARD = enum.auto()
     PRE_BACKWARD = enum.auto()  # backward reached the unit; its own backward ops are running
     POST_BACKWARD = enum.auto()  # its backward is done and its gradients are on their way
-
-
-@dataclass(frozen=True)
-class ProfilerLabels:
-    """A unit's ``record_function`` labels (``sharded::all_gather(layers.3)``), built once per
-    name rather than on every call."""
-
-    all_gather: str
-    reduce_scatter: str
-    land_gradients: str
-
-    @classmethod
-    def naming(cls, unit_name: str) -> "ProfilerLabels":
-        return cls(*(f"sharded::{what}({unit_name})" for what in ("all_gather", "reduce_scatter", "land_gradients")))
 
 
 def unit_of(module: nn.Module) -> Optional["Unit"]:
@@ -117,7 +101,7 @@ class Unit:
         self.training_state = TrainingState.IDLE
         self.root: Optional[Root] = None  # the Root of the model this unit runs in, set at the first forward
         self.context = StepContext()
-        self._partial_reduction: Optional[torch.Tensor] = None  # hybrid, all-reduce deferred
+        self.reducer = GradientReducer(mesh_info, settings, self.streams)
         self._modules_to_run: set[nn.Module] = set()  # of a list unit, in this forward
         self.backward = BackwardTracker()
         for module in self.modules:
@@ -372,47 +356,7 @@ class Unit:
             self.running_root.prefetch_backward(self)
 
     def _start_reduction(self, params: list[ShardedParam], grads: list[Optional[torch.Tensor]]) -> Reduction:
-        """Pack the full ``grads`` of ``params`` (``None`` where this rank has none), scale them
-        and start reduce-scattering them, as the all-gather's mirror image. Empties ``grads``
-        once packed: the full gradients are freed before the collective runs."""
-        settings, world = self._reduce_settings(), self.mesh_info.shard_world
-        dtype, device, comm = self.reduce_dtype, self.device, settings.comm
-        self.streams.reduce_scatter_after_compute([g for g in grads if g is not None])
-        with self.streams.on_reduce_scatter(), record_function(self.labels.reduce_scatter):
-            sent, layout = pack_gradients(params, grads, world, lambda numel: new_buffer(numel, dtype, device, comm))
-            grads.clear()
-            settings.plan.scale_sent(sent)
-            group = self.settings.reduce_scatter_group or self.mesh_info.shard_group
-            scatter = start_reduce_scatter(sent, group, world, settings.plan.scatter_op, comm)
-        reduction = Reduction(scatter, layout, settings, self.streams, self.labels.land_gradients, self._land_gradients)
-        if world == 1:
-            reduction.advance()  # nothing to wait for: start the all-reduce across replicas now
-        return reduction
-
-    def _land_gradients(self, shards: GradientShards) -> None:
-        """Add each reduced gradient shard to its parameter's sharded ``.grad``."""
-        for sp, local_grad in shards:
-            sp.add_to_sharded_grad(local_grad)
-
-    def _reduce_settings(self) -> ReduceSettings:
-        info, asked = self.mesh_info, self.settings
-        replicas = info.mesh.size(0) if info.replicate_group is not None else 1
-        plan = division_plan(self.reduce_dtype, info.shard_world, replicas, asked.gradient_divide_factor, asked.force_sum_reduction)
-        carried, self._partial_reduction = self._partial_reduction, None
-        return ReduceSettings(
-            plan,
-            replicate_group=info.replicate_group,
-            all_reduce_now=asked.requires_all_reduce,
-            carried=carried,
-            keep_partial=self._keep_partial,
-            hook=asked.all_reduce_hook,
-            hook_stream=(asked.all_reduce_hook_stream, self.device) if asked.all_reduce_hook_stream is not None else None,
-            land_unused=asked.reduce_scatter_unused_params,
-            comm=asked.custom_reduce_scatter,
-        )
-
-    def _keep_partial(self, scattered: torch.Tensor) -> None:
-        self._partial_reduction = scattered
+        return self.reducer.start(params, grads, self.reduce_dtype, self.labels)
 
     def reset(self) -> None:
         """Back to rest after a failed forward or backward: gathered parameters freed, the
@@ -426,7 +370,7 @@ class Unit:
             sp.unsynced_grad = None
             if sp.unsharded is not None:
                 sp.unsharded.grad = None
-        self._partial_reduction = None
+        self.reducer.drop_partial()
         self._modules_to_run = set()
         self.training_state = TrainingState.IDLE
         self.backward.reset()
