@@ -13,6 +13,7 @@ import torch.distributed as dist
 from examples.gpt import GPT
 from sharded._common import comm
 from sharded.fsdp._root import MAX_REDUCTIONS_IN_FLIGHT
+from sharded.fsdp._state import state_of
 from sharded.fsdp._unit import ShardState, TrainingState, units_under
 from tests._fsdp_reference import local_bytes, shard_gpt
 from tests._harness import run_on_ranks
@@ -50,7 +51,7 @@ def _watch_backward_gathers(units):
         start = unit._start_gather
 
         def recorded(unit=unit, start=start):
-            if unit.running_root.in_backward:
+            if unit.context.in_backward:
                 in_flight = [u for u in units if u is not unit and u.shard_state is ShardState.GATHERING]
                 started.append((unit, unit.training_state is not TrainingState.PRE_BACKWARD, in_flight))
             start()
@@ -65,19 +66,19 @@ def _watch_reductions(units):
     are gone and no reduction in flight keeps a send buffer gloo has already copied."""
     started = []
     for unit in units:
-        start = unit._start_reduction
+        start = unit.reducer.start
 
-        def checked(params, grads, unit=unit, start=start):
-            in_flight = unit.running_root._reductions
+        def checked(params, grads, *args, unit=unit, start=start):
+            in_flight = state_of(unit.module).root._reductions
             assert len(in_flight) < MAX_REDUCTIONS_IN_FLIGHT, f"{len(in_flight)} reductions in flight as {unit} packs"
             assert _storage(unit).unsharded_bytes() == 0, f"{unit} still gathered as it packs its gradients"
-            reduction = start(params, grads)
+            reduction = start(params, grads, *args)
             assert grads == [], f"{unit} kept its full gradients past packing"
             assert all(r._scatter.sent is None for r in in_flight + [reduction]), "a send buffer outlived its copy"
             started.append(unit)
             return reduction
 
-        unit._start_reduction = checked
+        unit.reducer.start = checked
     return started
 
 

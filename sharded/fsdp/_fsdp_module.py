@@ -22,21 +22,10 @@ from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
 
 from .._common import comm
 from .._common.errors import on_rank
-from ._root import Root
+from ._state import state_of
 from ._unit import Unit, unit_of, units_under
 
-__all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "run_pre_forward", "state_of"]
-
-# Where a unit's first module keeps the view fully_shard.state returns (on the module, not in a
-# global map, for the reason _unit.unit_of gives)
-_STATE_VIEW_ATTRIBUTE = "_sharded_fsdp_state"
-
-
-def run_pre_forward(unit: Unit, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
-    """A unit's forward pre-hook: the first unit to run becomes the root, then it gathers."""
-    if unit.root is None:
-        Root.claim(unit)
-    return unit.pre_forward(module, args, kwargs)
+__all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
 
 
 class UnshardHandle(TorchUnshardHandle):
@@ -50,41 +39,6 @@ class UnshardHandle(TorchUnshardHandle):
         if self._unit is not None:
             self._unit.wait_for_unshard()
             self._unit = None
-
-
-class _StateView:
-    """What ``FSDPModule._get_fsdp_state()`` and ``fully_shard.state(module)`` return: one per
-    ``fully_shard`` call (a list unit's modules share it, as in torch); enough of torch's
-    ``FSDPState`` for torch's own ``register_fsdp_forward_method`` to work on our modules; any
-    other attribute is torch internals we do not have, and says so."""
-
-    def __init__(self, module: nn.Module, unit: Unit) -> None:
-        self._module, self._unit = module, unit
-
-    def _pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        return run_pre_forward(self._unit, module, args, kwargs)
-
-    def _post_forward(self, module: nn.Module, _input: Any, output: Any) -> Any:
-        return self._unit.post_forward(module, output)
-
-    def __getattr__(self, name: str) -> Any:
-        raise NotImplementedError(on_rank(
-            f"torch FSDP internals asked a sharded.fully_shard module for FSDPState.{name}; sharded's "
-            "units keep their state in sharded.fsdp, not in torch's FSDPState"
-        ))
-
-
-def state_of(module: nn.Module) -> Optional[_StateView]:
-    """``fully_shard.state(module)``: the state of the ``fully_shard`` call applied to ``module``
-    (the same object every time), or ``None`` if none was, as torch's returns its ``FSDPState``."""
-    unit = unit_of(module)
-    if unit is None:
-        return None
-    first = unit.modules[0]
-    view = first.__dict__.get(_STATE_VIEW_ATTRIBUTE)
-    if view is None:
-        view = first.__dict__[_STATE_VIEW_ATTRIBUTE] = _StateView(first, unit)
-    return view
 
 
 class DeepcopyRefused(AssertionError):
@@ -158,17 +112,17 @@ class FSDPModule(TorchFSDPModule):
         """After a forward or backward raised: wait for the collectives in flight, drop the
         failed step's unreduced gradients, free gathered parameters, return every unit to rest.
         Call it on the root (the module ``fully_shard`` was applied to last)."""
-        unit = self._fsdp_unit()
-        if unit.root is None:
+        unit, root = self._fsdp_unit(), self._get_fsdp_state().root
+        if root is None:
             for u in units_under(self):  # type: ignore[arg-type]
                 u.reset()
             return
-        if unit.root.unit is not unit:
+        if root.unit is not unit:
             raise RuntimeError(on_rank(
-                f"reset_iter_state must be called on the root module ({unit.root.unit.module_name}), "
+                f"reset_iter_state must be called on the root module ({root.unit.module_name}), "
                 f"not on {unit.module_name}"
             ))
-        unit.root.reset()
+        root.reset()
 
     # ------------------------------------------------------------ step settings
 

@@ -1,7 +1,9 @@
 """What the outermost unit of a model does for all of them.
 
 The first unit whose forward runs becomes the root of every unit below it (lazily, as in FSDP2:
-only then is the whole tree known). The root names units and parameters by their full paths
+only then is the whole tree known). The units' hooks (:mod:`._state`) call the root at each event
+of the step; the root calls the units, which never call it back (they share its
+:class:`~._settings.StepContext`, nothing more). The root names units and parameters by their full paths
 (module paths are what errors and profiler labels show, as torch's FQNs), checks that
 every rank built the same model before the first collective can hang on a mismatch, records the
 orders units start and end their forward in (to prefetch the next one's all-gather in forward
@@ -23,6 +25,7 @@ from .._common.errors import on_rank
 from ._extension import check_no_late_hooks
 from ._reduction import Reduction
 from ._unit import ShardState, TrainingState, Unit, unit_of, units_under
+from .policies import BackwardPrefetch
 
 __all__ = ["Root"]
 
@@ -42,7 +45,6 @@ class Root:
     def __init__(self, unit: Unit, units: list[Unit]) -> None:
         self.unit = unit
         self.units = units
-        self.in_backward = False
         self.forward_order: list[Unit] = []  # in the order their forward started
         self.backward_order: list[Unit] = []  # the reverse of the order their forward ended
         self._after: dict[str, dict[Unit, Unit]] = {"forward": {}, "backward": {}}  # each order's next unit
@@ -64,7 +66,6 @@ class Root:
             raise RuntimeError(f"{busy[0]} is in {busy[0].training_state.name} while {unit} starts its first forward as the root")
         root = cls(unit, units)
         for u in units:
-            u.root = root
             u.context = unit.context
             if u.settings.reshard_after_forward is None:  # FSDP2's default: True, except for the root
                 u.settings.reshard_after_forward = u is not unit
@@ -96,6 +97,11 @@ class Root:
         except ValueError as mismatch:
             raise ValueError(on_rank(str(mismatch))) from mismatch
 
+    @property
+    def in_backward(self) -> bool:
+        """From the first unit backward reaches to the end of backward."""
+        return self.unit.context.in_backward
+
     # ------------------------------------------------------------------------ forward
 
     def begin_forward(self) -> None:
@@ -109,14 +115,16 @@ class Root:
     def record_forward(self, unit: Unit) -> None:
         self._this_forward.setdefault(unit)
 
-    def record_forward_end(self, unit: Unit) -> None:
+    def complete_forward(self, unit: Unit, grad_enabled: bool) -> None:
+        """Every module of ``unit`` has run (or this forward ended without some of them)."""
         self._ended_this_forward.setdefault(unit)
+        unit.complete_forward(grad_enabled)
 
     def end_forward(self, grad_enabled: bool) -> None:
         """Remember this forward's orders; free whatever no backward will need."""
         for u in self.units:
             if u is not self.unit and u.training_state is TrainingState.FORWARD:
-                u.complete_forward(grad_enabled)  # a list unit some of whose modules did not run
+                self.complete_forward(u, grad_enabled)  # a list unit some of whose modules did not run
         self.forward_order = list(self._this_forward)
         # backward runs a unit's gradients once every unit that used its outputs is done: in
         # the reverse of the order forwards ended (the root first, then its last child), not of
@@ -158,10 +166,19 @@ class Root:
     def begin_backward(self) -> None:
         """Queue the end-of-backward callback once per backward."""
         if not self.in_backward:
-            self.in_backward = True
+            self.unit.context.in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
-    def add_reduction(self, start: Callable[[], Reduction]) -> None:
+    def post_backward(self, unit: Unit) -> None:
+        """``unit``'s backward is done: its gradients go, and (``BACKWARD_POST``) the next
+        unit's all-gather starts."""
+        start = unit.post_backward()
+        if start is not None:
+            self._add_reduction(start)
+        if unit.settings.backward_prefetch_timing is BackwardPrefetch.BACKWARD_POST:
+            self.prefetch_backward(unit)
+
+    def _add_reduction(self, start: Callable[[], Reduction]) -> None:
         """Start a unit's reduction (``start()`` packs its gradients and sends them), finishing
         the oldest in flight first when the limit is reached: their send buffers are freed
         before the new one is allocated, not after."""
@@ -187,13 +204,13 @@ class Root:
             u.reset()
         self._this_forward = {}
         self._ended_this_forward = {}
-        self.in_backward = False
+        self.unit.context.in_backward = False
 
     def _finish_backward(self) -> None:
         try:
             for u in self.units:
                 if u.needs_post_backward:
-                    u.post_backward()
+                    self.post_backward(u)
             # set_is_last_backward(False) (microbatching): the newest reductions may land later
             keep = self._max_in_flight() if not self.unit.context.is_last_backward else 0
             while len(self._reductions) > keep:
@@ -205,7 +222,7 @@ class Root:
             for u in self.units:
                 u.finish_step()
         finally:
-            self.in_backward = False
+            self.unit.context.in_backward = False
 
 
 def _units_of(modules: list[nn.Module]) -> list[Unit]:

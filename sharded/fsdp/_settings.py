@@ -4,8 +4,8 @@
 what the module's ``set_*`` methods (FSDP2's ``FSDPModule`` API) change later. The unit, its root
 and its gradient reducer read them there when they act, so a change applies from the next use.
 
-:class:`StepContext` is shared by a model's root and all its units once the root is known: the
-settings that apply to the whole step.
+:class:`StepContext` is shared by a model's root and all its units once the root is known: where
+the model is in its step, and the settings that apply to the whole step.
 """
 
 from __future__ import annotations
@@ -75,5 +75,6 @@ class UnitSettings:
 class StepContext:
     """The step of a whole model, shared by its root and all its units once the root is known."""
 
+    in_backward: bool = False  # the root's: from the first unit backward reaches to the end of backward
     is_last_backward: bool = True  # set_is_last_backward
     post_optim_event: Optional[Any] = None  # set_post_optim_event

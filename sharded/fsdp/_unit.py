@@ -3,14 +3,19 @@
 A unit all-gathers its shards before its module computes and frees the gathered parameters
 after; it reduce-scatters its gradients as soon as its backward is done. Two enums say where it
 is, instead of a scatter of booleans: :class:`ShardState` (what memory it holds) and
-:class:`TrainingState` (where in the step it is). What concerns the whole model (lazy set-up,
-execution order, prefetching, the end of backward) belongs to its :class:`~._root.Root`.
+:class:`TrainingState` (where in the step it is).
+
+A unit is FSDP2's param group, and like it does not know what drives it: its modules' hooks
+(:class:`~._state.UnitState`) call it at each event of the step, and call the model's
+:class:`~._root.Root` for what concerns the whole model (lazy set-up, execution order,
+prefetching, reductions in flight, the end of backward). What the unit shares with the rest of
+its model is data: the :class:`~._settings.StepContext`.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -23,18 +28,14 @@ from ._collectives import ProfilerLabels
 from ._extension import ExtensionGather
 from ._flat_buffers import UnitStorage
 from ._gather import GatherRoute, ParamGather
-from ._hooks import BackwardTracker, cast_floats, register_pre_backward
+from ._hooks import BackwardTracker, cast_floats
 from ._param import ShardedParam
 from ._placement.mesh import MeshInfo
 from ._placement.secondary_shard import SecondaryShardGroup
 from ._reduction import GradientReducer, Reduction
 from ._registry import register_sharded, retire
-from ._streams import CommStreams
 from ._settings import StepContext, UnitSettings
-from .policies import BackwardPrefetch
-
-if TYPE_CHECKING:
-    from ._root import Root
+from ._streams import CommStreams
 
 __all__ = ["ShardState", "TrainingState", "Unit", "unit_of", "units_under"]
 
@@ -73,8 +74,12 @@ def units_under(module: nn.Module) -> list["Unit"]:
 class Unit:
     """One ``fully_shard`` call's parameters, with their collectives and lifecycle.
 
-    ``settings`` (:class:`~._settings.UnitSettings`): what ``fully_shard`` was given and what
-    the module's methods (FSDP2's ``FSDPModule`` API) change later.
+    The unit keeps where it is (the two enums) and drives its parts, each with one job:
+    ``settings`` (:class:`~._settings.UnitSettings`: what ``fully_shard`` was given and what the
+    module's methods, FSDP2's ``FSDPModule`` API, change later); ``gathers`` (a
+    :class:`~._gather.ParamGather` per kind of storage: the plain parameters' flat buffers, the
+    all-gather extension's); ``reducer`` (:class:`~._reduction.GradientReducer`); ``backward``
+    (:class:`~._hooks.BackwardTracker`).
 
     ``modules``: the module(s) one ``fully_shard`` call was given; a list makes one unit that
     all of them use (e.g. a final norm and the output head).
@@ -86,24 +91,19 @@ class Unit:
 
     def __init__(self, modules: Sequence[nn.Module], params: Sequence[ShardedParam], mesh_info: MeshInfo, settings: UnitSettings) -> None:
         self.modules = list(modules)
-        self.module = self.modules[0]
         self._class_names = [type(m).__name__ for m in self.modules]  # before fully_shard swaps the classes
         self.name_by_paths([""] * len(self.modules))
         self.params = list(params)
         self.mesh_info = mesh_info
         self.settings = settings
-        self.device = mesh_info.device
+        self.context = StepContext()  # the model's, once its root is known
         self.gathers = _gathers_for(self.params, mesh_info, settings)
-        if self.device not in _STREAMS:
-            _STREAMS[self.device] = CommStreams(self.device)
-        self.streams = _STREAMS[self.device]
+        self.streams = _streams_for(mesh_info.device)
+        self.reducer = GradientReducer(mesh_info, settings, self.streams)
+        self.backward = BackwardTracker()
         self.shard_state = ShardState.SHARDED
         self.training_state = TrainingState.IDLE
-        self.root: Optional[Root] = None  # the Root of the model this unit runs in, set at the first forward
-        self.context = StepContext()
-        self.reducer = GradientReducer(mesh_info, settings, self.streams)
         self._modules_to_run: set[nn.Module] = set()  # of a list unit, in this forward
-        self.backward = BackwardTracker()
         for module in self.modules:
             module.__dict__[_UNIT_ATTRIBUTE] = self
 
@@ -118,11 +118,9 @@ class Unit:
         self.labels = ProfilerLabels.naming(self.module_name)
 
     @property
-    def running_root(self) -> Root:
-        """The root, known from the model's first forward on (every hook runs after it)."""
-        if self.root is None:
-            raise RuntimeError(f"{self!r} has no root yet: the model has not run forward")
-        return self.root
+    def module(self) -> nn.Module:
+        """The module ``fully_shard`` was given (of a list, the first)."""
+        return self.modules[0]
 
     @property
     def reduce_dtype(self) -> torch.dtype:
@@ -131,6 +129,7 @@ class Unit:
 
     @property
     def _master_dtype(self) -> torch.dtype:
+        """The shards' dtype (the plain parameters' if there are any)."""
         return self.gathers[0].dtype
 
     def shard_from_full(self, fulls: Sequence[torch.Tensor]) -> None:
@@ -193,7 +192,7 @@ class Unit:
         """Over the shard group; in backward, a secondary shard kept by the forward is gathered
         within its group instead."""
         info, secondary = self.mesh_info, self.settings.secondary_shard
-        in_backward = self.root is not None and self.root.in_backward
+        in_backward = self.context.in_backward
         return GatherRoute(info.shard_group, info.shard_world, self.settings.custom_all_gather, secondary if in_backward else None)
 
     def wait_for_unshard(self) -> None:
@@ -213,7 +212,7 @@ class Unit:
     def _secondary_shard_to_keep(self) -> Optional[SecondaryShardGroup]:
         """``reshard_after_forward=k``: a grad-enabled forward's gather keeps this rank's
         secondary shard for backward."""
-        forward = self.training_state is TrainingState.FORWARD and not self.running_root.in_backward
+        forward = self.training_state is TrainingState.FORWARD and not self.context.in_backward
         return self.settings.secondary_shard if forward and torch.is_grad_enabled() else None
 
     def reshard(self) -> None:
@@ -233,21 +232,7 @@ class Unit:
 
     # ------------------------------------------------------------------------ forward
 
-    def pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        root = self.running_root
-        if root.in_backward and not self._runs_as_new_forward():
-            self.unshard()  # recomputed for a backward already set up (non-reentrant checkpointing)
-            return args, kwargs
-        if self.training_state is not TrainingState.FORWARD:  # the first of a list unit's modules
-            self._begin_forward(root)
-        mp = self.settings.mp_policy
-        if mp.param_dtype is not None and mp.cast_forward_inputs:
-            args, kwargs = cast_floats((args, kwargs), mp.param_dtype)
-        if torch.is_grad_enabled():
-            self.backward.watch_forward_call(args, kwargs, self.settings.requires_gradient_sync, self._on_backward_done)
-        return args, kwargs
-
-    def _runs_as_new_forward(self) -> bool:
+    def runs_as_new_forward(self) -> bool:
         """A forward during backward builds a graph of its own whose backward comes next, and is
         set up as any forward, when no earlier forward's backward is pending for the unit: the
         recompute of reentrant checkpointing (``use_reentrant=True``, Megatron's full recompute),
@@ -263,56 +248,45 @@ class Unit:
             return True
         return not self.backward.awaiting
 
-    def _begin_forward(self, root: Root) -> None:
-        """Enter FORWARD and gather. A model's forward also records the order units run in and
-        prefetches the next; a forward recomputed inside backward touches neither (that order
-        is the model's forward, and the unit's backward follows at once)."""
+    def begin_forward(self) -> None:
+        """Enter FORWARD: each of the unit's modules is expected to run once."""
         self.training_state = TrainingState.FORWARD
         self._modules_to_run = set(self.modules)
-        if root.in_backward:
-            self.unshard()
-            return
-        if root.unit is self:
-            root.begin_forward()
-        root.record_forward(self)
-        self.unshard(async_op=self.settings.unshard_async_op)
-        root.prefetch_forward(self)
-        self.wait_for_unshard()
 
-    def post_forward(self, module: nn.Module, output: Any) -> Any:
-        root = self.running_root
-        if root.in_backward and self.training_state is not TrainingState.FORWARD:
-            return output  # a recompute that only refilled saved tensors
-        grad_enabled = torch.is_grad_enabled()
-        if grad_enabled:
-            register_pre_backward(self.pre_backward, output)
+    def cast_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        mp = self.settings.mp_policy
+        if mp.param_dtype is not None and mp.cast_forward_inputs:
+            return cast_floats((args, kwargs), mp.param_dtype)
+        return args, kwargs
+
+    def cast_output(self, output: Any) -> Any:
+        dtype = self.settings.mp_policy.output_dtype
+        return output if dtype is None else cast_floats(output, dtype)
+
+    def forward_done_after(self, module: nn.Module) -> bool:
+        """``module`` ran its forward: whether that ends the unit's forward (its last module)."""
         self._modules_to_run.discard(module)
-        if not self._modules_to_run and self.training_state is TrainingState.FORWARD:
-            if root.in_backward:  # its backward runs next: keep the parameters gathered for it
-                self.training_state = TrainingState.IDLE
-            else:
-                self.complete_forward(grad_enabled)
-        if self.settings.mp_policy.output_dtype is not None:
-            output = cast_floats(output, self.settings.mp_policy.output_dtype)
-        if root.unit is self and not root.in_backward:
-            root.end_forward(grad_enabled)
-        return output
+        return not self._modules_to_run and self.training_state is TrainingState.FORWARD
 
     def complete_forward(self, grad_enabled: bool) -> None:
         """Every module of the unit has run (or the root's forward ended): free the gathered
         parameters unless backward will want them kept."""
         self._modules_to_run = set()
-        self.running_root.record_forward_end(self)
         if not (grad_enabled and self.settings.reshard_after_forward is False):
             self.reshard()
         self.training_state = TrainingState.IDLE
 
+    def end_recomputed_forward(self) -> None:
+        """A forward recomputed in backward ended: its backward runs next, so the parameters
+        stay gathered for it."""
+        self.training_state = TrainingState.IDLE
+
     # ----------------------------------------------------------------------- backward
 
-    def pre_backward(self) -> None:
-        self.running_root.begin_backward()
+    def begin_backward(self) -> bool:
+        """Backward reached the unit: gather its parameters for it. Whether it had not already."""
         if self.training_state is TrainingState.PRE_BACKWARD:
-            return
+            return False
         self.training_state = TrainingState.PRE_BACKWARD
         if self.settings.unshard_in_backward:
             self.unshard(async_op=True)
@@ -320,12 +294,7 @@ class Unit:
         # gathers in flight beside a copy-out would hold a third unit-sized buffer at the moment
         # backward holds the most activations; its gather still overlaps this unit's backward
         self.wait_for_unshard()
-        if self.settings.backward_prefetch_timing is BackwardPrefetch.BACKWARD_PRE:
-            self.running_root.prefetch_backward(self)
-
-    def _on_backward_done(self) -> None:
-        if self.training_state is TrainingState.PRE_BACKWARD:
-            self.post_backward()
+        return True
 
     @property
     def needs_post_backward(self) -> bool:
@@ -339,8 +308,10 @@ class Unit:
             return any(sp.unsharded is not None and sp.unsharded.grad is not None for sp in self.params)
         return self.backward.awaiting
 
-    def post_backward(self) -> None:
-        """Send the unit's gradients (or keep them locally with sync off), then reshard."""
+    def post_backward(self) -> Optional[Callable[[], Reduction]]:
+        """The unit's backward is done: take its gradients (with sync off, keep them locally),
+        then reshard. Returns what starts sending them, for the root to call when a reduction
+        may start (``None``: nothing to send)."""
         self.training_state = TrainingState.POST_BACKWARD
         trainable = [sp for sp in self.params if sp.requires_grad]
         sending = bool(trainable) and self.backward.syncs
@@ -350,13 +321,9 @@ class Unit:
                 sp.keep_unsynced(self.reduce_dtype)
         if self.settings.reshard_after_backward:  # first: the gathered parameters go before the send buffer comes
             self.reshard()
-        if sending:
-            self.running_root.add_reduction(lambda: self._start_reduction(trainable, grads))
-        if self.settings.backward_prefetch_timing is BackwardPrefetch.BACKWARD_POST:
-            self.running_root.prefetch_backward(self)
-
-    def _start_reduction(self, params: list[ShardedParam], grads: list[Optional[torch.Tensor]]) -> Reduction:
-        return self.reducer.start(params, grads, self.reduce_dtype, self.labels)
+        if not sending:
+            return None
+        return lambda: self.reducer.start(trainable, grads, self.reduce_dtype, self.labels)
 
     def reset(self) -> None:
         """Back to rest after a failed forward or backward: gathered parameters freed, the
@@ -419,3 +386,10 @@ def _gathers_for(params: list[ShardedParam], mesh_info: MeshInfo, settings: Unit
     if extended:
         gathers.append(ExtensionGather(extended, mesh_info.mesh, settings.mp_policy, mesh_info.device))
     return gathers
+
+
+def _streams_for(device: torch.device) -> CommStreams:
+    """The side streams of ``device``, one pair for every unit computing there."""
+    if device not in _STREAMS:
+        _STREAMS[device] = CommStreams(device)
+    return _STREAMS[device]
