@@ -3,13 +3,15 @@
 The first unit whose forward runs becomes the root of every unit below it (lazily, as in FSDP2:
 only then is the whole tree known). The units' hooks (:mod:`._state`) call the root at each event
 of the step; the root calls the units, which never call it back (they share its
-:class:`~._settings.StepContext`, nothing more). The root names units and parameters by their full paths
-(module paths are what errors and profiler labels show, as torch's FQNs), checks that
-every rank built the same model before the first collective can hang on a mismatch, records the
-orders units start and end their forward in (to prefetch the next one's all-gather in forward
-and in backward), and owns the end of backward: one autograd-engine callback, queued when
-backward first reaches any unit, that sends what is left, waits for every gradient in flight,
-and returns the units to rest.
+:class:`~._settings.StepContext`, nothing more).
+
+The root names units and parameters by their full paths (module paths are what errors and
+profiler labels show, as torch's FQNs), checks that every rank built the same model before the
+first collective can hang on a mismatch, records the orders units start and end their forward in
+(to prefetch the next one's all-gather in forward and in backward), keeps a bounded number of
+gradient reductions in flight, and owns the end of backward: one autograd-engine callback,
+queued when backward first reaches any unit, that sends what is left, waits for every gradient
+in flight, and returns the units to rest.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ MAX_REDUCTIONS_IN_FLIGHT = 1
 
 
 class Root:
-    """The model-wide state of one forward/backward, held by the outermost unit."""
+    """The model-wide state of a forward and backward: the outermost unit (``unit``) and every
+    unit below it (``units``, outermost first), which all reach it through their hooks."""
 
     def __init__(self, unit: Unit, units: list[Unit]) -> None:
         self.unit = unit
@@ -61,6 +64,9 @@ class Root:
                 "forward first, so it would be the root; apply fully_shard to their common parent too"
             ))
         units = units_under(unit.module)
+        paths = {id(m): path for path, m in unit.module.named_modules()}
+        for u in units:
+            u.name_by_paths([paths.get(id(m), "") for m in u.modules])
         busy = [u for u in units if u.training_state is not TrainingState.IDLE]
         if busy:
             raise RuntimeError(f"{busy[0]} is in {busy[0].training_state.name} while {unit} starts its first forward as the root")
@@ -71,19 +77,16 @@ class Root:
                 u.settings.reshard_after_forward = u is not unit
         for u in units:  # parameters assigned before the first forward are named by their paths too
             u.adopt_assigned_params(shards_only=True)
-        root._name_by_paths(unit.module)
+        root._name_params_by_paths(unit.module)
         root._check_same_across_ranks()
         check_no_late_hooks([sp for u in units for sp in u.params])
         logger.debug("%s is the root of %d units", unit, len(units))
         return root
 
-    def _name_by_paths(self, module: nn.Module) -> None:
-        """Each unit by its module path(s) below ``module`` (which is ``""``), each parameter by
-        its full name."""
-        paths = {id(m): path for path, m in module.named_modules()}
+    def _name_params_by_paths(self, module: nn.Module) -> None:
+        """Each parameter by its full name below ``module``."""
         names = {id(p): name for name, p in module.named_parameters()}
         for u in self.units:
-            u.name_by_paths([paths.get(id(m), "") for m in u.modules])
             for sp in u.params:
                 sp.fqn = names.get(id(sp.sharded), sp.fqn)
 
