@@ -65,8 +65,8 @@ class UnitSettings:
         return isinstance(self.offload_policy, CPUOffloadPolicy) and self.offload_policy.pin_memory
 
     def set_reshard_after_forward(self, reshard_after_forward: bool) -> None:
-        """A ``bool`` set later replaces a secondary shard too (as torch drops its post-forward
-        mesh): ``True`` frees everything after forward, ``False`` keeps everything."""
+        """A ``bool`` set later replaces a secondary shard too, as in torch: ``True`` frees
+        everything after forward, ``False`` keeps everything."""
         self.reshard_after_forward = reshard_after_forward
         self.secondary_shard = None
 
