@@ -184,7 +184,7 @@ class Skips(nn.Module):
 
 def _members(rank, world):
     from sharded import fully_shard
-    from sharded.fsdp import CPUOffloadPolicy, register_fsdp_forward_method
+    from sharded.fsdp import register_fsdp_forward_method
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
     from torch.distributed.fsdp import OffloadPolicy as TorchOffload
     from torch.distributed.fsdp import register_fsdp_forward_method as torch_register

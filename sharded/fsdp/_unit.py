@@ -191,9 +191,9 @@ class Unit:
     def _gather_route(self) -> GatherRoute:
         """Over the shard group; in backward, a secondary shard kept by the forward is gathered
         within its group instead."""
-        info, secondary = self.mesh_info, self.settings.secondary_shard
-        in_backward = self.context.in_backward
-        return GatherRoute(info.shard_group, info.shard_world, self.settings.custom_all_gather, secondary if in_backward else None)
+        info, asked = self.mesh_info, self.settings
+        secondary = asked.secondary_shard if self.context.in_backward else None
+        return GatherRoute(info.shard_group, info.shard_world, asked.custom_all_gather, secondary)
 
     def wait_for_unshard(self) -> None:
         """Finish an all-gather in flight and show the full parameters to the module."""
@@ -223,6 +223,7 @@ class Unit:
         self._show_shards()
 
     def _show_shards(self) -> None:
+        """The module holds the shards again; the gathered memory is freed."""
         for sp in self.params:
             sp.show_sharded()
         self.streams.all_gather_after_compute()
