@@ -67,14 +67,19 @@ def test_each_sharding_strategy_maps_to_fully_shards_reshard_and_hybrid(strategy
     assert options.hybrid is hybrid
 
 
-def test_torchs_sharding_strategy_maps_by_name_and_other_values_raise():
-    """Code written for torch's FSDP passes torch's enum: each member means what ours of that name does."""
+def test_torchs_enums_map_by_name_and_other_values_raise():
+    """Code written for torch's FSDP passes torch's enums: each member means what ours of that name does."""
+    from torch.distributed.fsdp import BackwardPrefetch as TorchPrefetch
     from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
 
     for theirs in TorchStrategy:
         assert fsdp1_options(sharding_strategy=theirs).strategy is ShardingStrategy[theirs.name]
+    for prefetch in TorchPrefetch:
+        assert fsdp1_options(backward_prefetch=prefetch).backward_prefetch is BackwardPrefetch[prefetch.name]
     with pytest.raises(TypeError, match="sharding_strategy must be a ShardingStrategy"):
         fsdp1_options(sharding_strategy="FULL_SHARD")
+    with pytest.raises(TypeError, match="backward_prefetch must be a BackwardPrefetch"):
+        fsdp1_options(backward_prefetch=1)
 
 
 def test_cpu_offload_sharded_and_torch_spellings():

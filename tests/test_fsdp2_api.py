@@ -184,7 +184,7 @@ class Skips(nn.Module):
 
 def _members(rank, world):
     from sharded import fully_shard
-    from sharded.fsdp import CPUOffloadPolicy, register_fsdp_forward_method
+    from sharded.fsdp import register_fsdp_forward_method
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
     from torch.distributed.fsdp import OffloadPolicy as TorchOffload
     from torch.distributed.fsdp import register_fsdp_forward_method as torch_register
@@ -198,9 +198,10 @@ def _members(rank, world):
     fully_shard(model)
     from sharded.fsdp._unit import unit_of
 
-    assert unit_of(model.blocks[0]).config.mp_policy.param_dtype is torch.bfloat16
-    assert unit_of(model.blocks[0]).reshard_after_forward is True and unit_of(model.blocks[1]).reshard_after_forward is False
-    assert unit_of(model.blocks[1]).config.offload_policy is None
+    first, second = unit_of(model.blocks[0]).settings, unit_of(model.blocks[1]).settings
+    assert first.mp_policy.param_dtype is torch.bfloat16
+    assert first.reshard_after_forward is True and second.reshard_after_forward is False
+    assert first.secondary_shard is None and second.offload_policy is None
     fully_shard(nn.Linear(2, 2), offload_policy=torch.distributed.fsdp.CPUOffloadPolicy(pin_memory=False))
     sequential = fully_shard(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
     assert type(sequential[0:1]) is nn.Sequential, "slicing a sharded Sequential builds the plain class"

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from examples.gpt import GPT
 from sharded._common import comm
 from sharded.fsdp._root import MAX_REDUCTIONS_IN_FLIGHT
+from sharded.fsdp._state import state_of
 from sharded.fsdp._unit import ShardState, TrainingState, units_under
 from tests._device import cpu_only
 from tests._fsdp_reference import local_bytes, shard_gpt
@@ -20,6 +21,12 @@ from tests._harness import run_on_ranks
 from tests._models import gpt_loss, token_batch
 
 pytestmark = cpu_only("measures host memory and gloo's CPU buffers (VmHWM, malloc)")
+
+
+def _storage(unit):
+    """The flat buffers of a unit with plain parameters only (every unit of these models)."""
+    (storage,) = unit.gathers
+    return storage
 
 
 def _watch_gathered(units):
@@ -32,7 +39,7 @@ def _watch_gathered(units):
         def recorded(finish=finish):
             finish()
             held = sum(u.shard_state is not ShardState.SHARDED for u in units)
-            seen.append((held, sum(u.storage.unsharded_bytes() for u in units)))
+            seen.append((held, sum(_storage(u).unsharded_bytes() for u in units)))
 
         unit.wait_for_unshard = recorded
     return seen
@@ -47,7 +54,7 @@ def _watch_backward_gathers(units):
         start = unit._start_gather
 
         def recorded(unit=unit, start=start):
-            if unit.running_root.in_backward:
+            if unit.context.in_backward:
                 in_flight = [u for u in units if u is not unit and u.shard_state is ShardState.GATHERING]
                 started.append((unit, unit.training_state is not TrainingState.PRE_BACKWARD, in_flight))
             start()
@@ -62,19 +69,19 @@ def _watch_reductions(units):
     are gone and no reduction in flight keeps a send buffer gloo has already copied."""
     started = []
     for unit in units:
-        start = unit._start_reduction
+        start = unit.reducer.start
 
-        def checked(params, grads, unit=unit, start=start):
-            in_flight = unit.running_root._reductions
+        def checked(params, grads, *args, unit=unit, start=start):
+            in_flight = state_of(unit.module).root._reductions
             assert len(in_flight) < MAX_REDUCTIONS_IN_FLIGHT, f"{len(in_flight)} reductions in flight as {unit} packs"
-            assert unit.storage.unsharded_bytes() == 0, f"{unit} still gathered as it packs its gradients"
-            reduction = start(params, grads)
+            assert _storage(unit).unsharded_bytes() == 0, f"{unit} still gathered as it packs its gradients"
+            reduction = start(params, grads, *args)
             assert grads == [], f"{unit} kept its full gradients past packing"
             assert all(r._scatter.sent is None for r in in_flight + [reduction]), "a send buffer outlived its copy"
             started.append(unit)
             return reduction
 
-        unit._start_reduction = checked
+        unit.reducer.start = checked
     return started
 
 
@@ -92,7 +99,7 @@ def _check_memory(rank, world):
         loss = gpt_loss(model, token_batch(rank, step, vocab=128))
         gathered = [u for u in units if u.shard_state is not ShardState.SHARDED]
         assert gathered == [root], f"between forward and backward {len(gathered)} units are gathered"
-        assert sum(u.storage.unsharded_bytes() for u in units) == root.storage.unsharded_bytes() > 0
+        assert sum(_storage(u).unsharded_bytes() for u in units) == _storage(root).unsharded_bytes() > 0
         during.clear()
         backward_gathers.clear()
         loss.backward()
@@ -106,9 +113,9 @@ def _check_memory(rank, world):
         assert not overlapping, f"all-gathers started while others were in flight: {overlapping}"
         # the unit computing, the one prefetched for it, and the root (needed last)
         assert max(held for held, _ in during) <= 3, f"{max(during)} units were gathered at once during backward"
-        block_bytes = max(u.storage.world * u.storage.shard_numel * 4 for u in units[1:])
+        block_bytes = max(_storage(u).world * _storage(u).shard_numel * 4 for u in units[1:])
         largest = max(gathered_bytes for _, gathered_bytes in during)
-        assert largest <= root.storage.unsharded_bytes() + 2 * block_bytes, f"{largest} bytes gathered at once"
+        assert largest <= _storage(root).unsharded_bytes() + 2 * block_bytes, f"{largest} bytes gathered at once"
         optimizer.step()
     assert len(reduced) == 2 * len(units), f"{len(reduced)} reductions seen"
     assert all(u.shard_state is ShardState.SHARDED for u in units), "a unit stayed gathered at rest"

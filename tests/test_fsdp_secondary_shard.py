@@ -1,12 +1,12 @@
-"""``reshard_after_forward=k`` with ``1 < k < world`` (ZeRO++'s secondary shard, hpZ), at world 4
-with ``k = 2``: after forward each unit keeps half of its gathered parameters, and backward
+"""``reshard_after_forward=k`` with ``1 < k < world`` (ZeRO++'s secondary shard), at world 4
+with ``k = 2``: after forward each unit keeps its secondary shard, half of its gathered parameters, and backward
 all-gathers within pairs of ranks instead of over all four.
 
 Bit for bit against ``reshard_after_forward=True`` (the gathered values are the same bytes, only
 where they come from differs); against torch's ``fully_shard`` with the same argument and against
 DDP + SGD to the tolerance of tests/_fsdp_reference.py (at world 4 gloo's reductions add in
 another order than torch's, 2e-9 apart with ``True`` as with ``2``); with and without activation
-checkpointing (whose recomputation in backward is what consumes the kept piece then; reentrant
+checkpointing (whose recomputation in backward is what consumes the secondary shard then; reentrant
 checkpointing keeps none: its first forward runs without grad, its recompute gathers from all).
 """
 
@@ -58,8 +58,8 @@ def _secondary_shard_cases(rank, world, store_path):
     models = (ours, theirs, zero3)
     train_both(list(zip(models, optimizers_for(SGD, *models))), rank, steps=3)
     for a, b, c in zip(*(full_tensors(m.parameters()) for m in models)):
-        assert torch.equal(a, c), f"hpZ: differs from reshard_after_forward=True by {(a - c).abs().max():.3g}"
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=lambda m: f"hpZ against torch's: {m}")
+        assert torch.equal(a, c), f"secondary shard: differs from reshard_after_forward=True by {(a - c).abs().max():.3g}"
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=lambda m: f"secondary shard against torch's: {m}")
 
     # where the gathers go: forward over all four ranks, backward within pairs
     with GatherGroupSizes() as sizes:
@@ -67,18 +67,19 @@ def _secondary_shard_cases(rank, world, store_path):
         forward_sizes = list(sizes)
         weight = ours.blocks[0].mlp[0].weight
         assert isinstance(weight, DTensor) and weight.placements == (Shard(0),), "the module shows its shards"
-        piece = unit_of(ours.blocks[0])._post_forward_piece
-        assert piece is not None and piece.numel() == unit_of(ours.blocks[0]).storage.shard_numel * world // 2
+        (storage,) = unit_of(ours.blocks[0]).gathers
+        assert storage._secondary_shard is not None and storage._secondary_shard.numel() == storage.shard_numel * world // 2
         loss.backward()
     assert set(forward_sizes) == {world} and set(sizes[len(forward_sizes) :]) == {2}, sizes
-    assert unit_of(ours.blocks[0])._post_forward_piece is None, "the piece is freed by backward"
+    assert storage._secondary_shard is None, "backward frees the secondary shard"
     with torch.no_grad():
         ours(token_batch(rank, 8)[:, :-1])
-    assert all(unit_of(b)._post_forward_piece is None for b in ours.blocks), "no piece kept without grad"
+    assert all(unit_of(b).gathers[0]._secondary_shard is None for b in ours.blocks), "no secondary shard kept without grad"
 
     # against DDP + SGD, plain and with activation checkpointing
     reentrant = lambda: RecomputedGPT(reentrant=True)  # noqa: E731
-    for what, make in (("hpZ", gpt), ("hpZ, activation checkpointing", CheckpointedGPT), ("hpZ, reentrant", reentrant)):
+    for what, make in (("secondary shard", gpt), ("secondary shard, activation checkpointing", CheckpointedGPT),
+                       ("secondary shard, reentrant", reentrant)):
         ref, sharded_model = DDP(gpt()), shard_gpt(make(), reshard_after_forward=2)
         train_both(list(zip((ref, sharded_model), optimizers_for(SGD, ref, sharded_model))), rank)
         assert_matches_ddp(sharded_model, ref.module, what)
@@ -90,7 +91,7 @@ def _secondary_shard_cases(rank, world, store_path):
     again, zero3 = shard_gpt(gpt(), reshard_after_forward=2), shard_gpt(gpt(), reshard_after_forward=True)
     train_both(list(zip((again, zero3), optimizers_for(SGD, again, zero3))), rank, steps=1)
     for a, c in zip(*(full_tensors(m.parameters()) for m in (again, zero3))):
-        assert torch.equal(a, c), "hpZ in a new world: differs from reshard_after_forward=True"
+        assert torch.equal(a, c), "secondary shard in a new world: differs from reshard_after_forward=True"
 
 
 def test_reshard_after_forward_to_a_smaller_world_matches_torch_and_ddp(tmp_path):

@@ -89,6 +89,25 @@ def test_every_part_is_placed():
     assert parts == set(BELOW), f"not placed: {sorted(parts - set(BELOW))}; gone: {sorted(set(BELOW) - parts)}"
 
 
+def test_no_import_cycles():
+    graph = _graph()
+    cycles, state = [], {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                cycles.append(path[path.index(nxt):] + [nxt] if nxt in path else [node, nxt])
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
 def test_import_sharded_is_light():
     """``import sharded`` loads none of Dynamo, DTensor, torch's FSDP or DCP; layer 3 loads on use."""
     script = (

@@ -19,7 +19,22 @@ import torch.distributed as dist
 
 from .._common import comm
 
-__all__ = ["new_buffer", "PendingGather", "start_all_gather", "PendingReduceScatter", "start_reduce_scatter"]
+__all__ = ["ProfilerLabels", "new_buffer", "PendingGather", "start_all_gather", "PendingReduceScatter", "start_reduce_scatter"]
+
+
+@dataclass(frozen=True)
+class ProfilerLabels:
+    """The ``record_function`` labels a unit's communication shows under in a profile, naming the
+    unit by its module path (``sharded::all_gather(layers.3)``); built once per name rather than
+    on every call."""
+
+    all_gather: str
+    reduce_scatter: str
+    land_gradients: str
+
+    @classmethod
+    def naming(cls, unit_name: str) -> "ProfilerLabels":
+        return cls(*(f"sharded::{what}({unit_name})" for what in ("all_gather", "reduce_scatter", "land_gradients")))
 
 
 def new_buffer(numel: int, dtype: torch.dtype, device: torch.device, custom: Optional[Any] = None) -> torch.Tensor:

@@ -12,9 +12,10 @@ tensors are refilled and the hook writes into the existing parameter (``out=``),
 autograd saved stay valid.
 
 A unit's extension parameters are not in its flat buffers (their local tensors are the
-subclass's own); they are gathered by one collective of their own, their inputs packed back to
-back (as bytes when their dtypes differ). The gradients are plain tensors and take the unit's
-ordinary reduce-scatter.
+subclass's own); :class:`ExtensionGather`, their :class:`._gather.ParamGather`, gathers them by
+one collective of their own, their inputs packed back to back (as bytes when their dtypes
+differ), from their shards every time (no secondary shard). The gradients are plain tensors and
+take the unit's ordinary reduce-scatter.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, cast
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -32,7 +32,9 @@ from torch.distributed.tensor import DTensor
 from .._common.errors import on_rank
 from .._common.flat import column_blocks
 from ._collectives import PendingGather, start_all_gather
+from ._gather import GatherRoute
 from ._param import ShardedParam
+from ._placement.secondary_shard import SecondaryShardGroup
 from .policies import MixedPrecisionPolicy
 
 __all__ = ["has_gather_extension", "check_no_late_hooks", "shard_with_extension", "ExtensionGather"]
@@ -72,7 +74,7 @@ def shard_with_extension(sp: ShardedParam, full: torch.Tensor) -> None:
     the subclass (``new_zeros``), this rank's part of it viewed and filled."""
     with torch.no_grad():
         detached = full.detach()
-        local = sp.local_part(detached.new_zeros(sp.geometry.slot_numel))
+        local = sp.real_rows(detached.new_zeros(sp.geometry.slot_numel))
         if not full.is_meta:
             local.copy_(sp.rows_of(detached))
     sp.attach_local(local, requires_grad=full.requires_grad)
@@ -90,8 +92,9 @@ class _Gathered:
 
 
 class ExtensionGather:
-    """The extension parameters of one unit: pre-all-gather hooks, one all-gather of their
-    inputs, post-all-gather hooks; and freeing what those built.
+    """The extension parameters of one unit, their :class:`._gather.ParamGather`:
+    pre-all-gather hooks, one all-gather of their inputs, post-all-gather hooks; and freeing what
+    those built.
 
     Args:
         params: the unit's parameters with the extension.
@@ -106,32 +109,54 @@ class ExtensionGather:
         self._mp_policy = mp_policy
         self._device = device
         self._pending: Optional[PendingGather] = None
+        self._world = 1  # of the gather in flight
         self._layout: list[tuple[torch.dtype, int]] = []  # each input's dtype and numel, in order
 
-    def start(self, group: dist.ProcessGroup, world: int, comm: Optional[Any] = None) -> None:
+    @property
+    def params(self) -> list[ShardedParam]:
+        return [state.sp for state in self._params]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._params[0].sp.local_shard().dtype
+
+    def shard_from_full(self, fulls: Sequence[torch.Tensor]) -> None:
+        for state, full in zip(self._params, fulls):
+            shard_with_extension(state.sp, full)
+
+    def prepare(self, where: str) -> None:
+        """Nothing: the subclass's shards are gathered from where they are."""
+
+    def start(self, route: GatherRoute) -> None:
         """Run the pre-all-gather hooks and start gathering what they returned."""
         inputs: list[torch.Tensor] = []
         for state in self._params:
             inputs.extend(self._pre_all_gather(state))
         self._layout = [(t.dtype, t.numel()) for t in inputs]
         sent = _pack(inputs)
-        self._pending = start_all_gather(sent, sent.dtype, self._device, group, world, comm)
+        self._world = route.world
+        self._pending = start_all_gather(sent, sent.dtype, self._device, route.group, route.world, route.custom)
 
-    def finish(self, world: int) -> None:
-        """Wait for the all-gather; refill each parameter's outputs and run its post hook."""
+    def finish(self, keep_secondary: Optional[SecondaryShardGroup]) -> None:
+        """Wait for the all-gather; refill each parameter's outputs and run its post hook
+        (``keep_secondary`` does not apply: these are gathered from their shards every time)."""
         if self._pending is None:
             return
         gathered, self._pending = self._pending.wait(), None
-        blocks = iter(_unpack(gathered, world, self._layout))
+        blocks = iter(_unpack(gathered, self._world, self._layout))
         for state in self._params:
             received = [next(blocks) for _ in state.input_shapes]
-            self._post_all_gather(state, received, world)
+            self._post_all_gather(state, received, self._world)
 
-    def wait(self) -> None:
-        """Finish a gather in flight without using it (a reset)."""
+    def discard(self) -> None:
+        """Finish a gather in flight without using it."""
         if self._pending is not None:
             self._pending.wait()
             self._pending = None
+
+    def full_copies(self, route: GatherRoute, where: str) -> list[torch.Tensor]:
+        """Collective: each parameter's full value, as its DTensor gathers it."""
+        return [cast(DTensor, state.sp.sharded).full_tensor() for state in self._params]
 
     def free(self) -> None:
         """Free the gathered outputs and what the post hooks built (their storage; the tensor

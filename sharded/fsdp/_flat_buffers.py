@@ -14,6 +14,10 @@ refilling does not look like an in-place change to autograd.
 With one shard and no dtype or device change, the unsharded parameters simply view the shards:
 nothing is gathered, copied or freed.
 
+:class:`UnitStorage` is the :class:`._gather.ParamGather` of plain parameters: it all-gathers
+``sharded_flat`` as it is (or, in backward after a forward with ``reshard_after_forward=k``, the
+secondary shard it kept, within that smaller group).
+
 The other direction, the gradients, goes through a send buffer packed per reduction
 (:func:`pack_gradients`), rank-major like the all-gather's output: row ``r`` is what rank ``r``
 receives, and inside a row each trainable parameter has its padded slot, then one "used" flag
@@ -36,13 +40,16 @@ import torch
 from torch import nn
 
 from .._common.flat import column_blocks
+from ._collectives import PendingGather, start_all_gather
+from ._gather import GatherRoute
 from ._param import ShardedParam
+from ._placement.secondary_shard import SecondaryShardGroup
 
 __all__ = ["UnitStorage", "GradientLayout", "pack_gradients"]
 
 
 class UnitStorage:
-    """Sharded and unsharded flat buffers of one unit's parameters.
+    """Sharded and unsharded flat buffers of one unit's plain parameters, and their all-gather.
 
     Args:
         params: the unit's parameters, in buffer order.
@@ -74,6 +81,8 @@ class UnitStorage:
         self._unsharded_flat: Optional[torch.Tensor] = None
         self._unsharded_key: tuple = ()
         self._copy_out_blocks: list[torch.Tensor] = []
+        self._pending: Optional[PendingGather] = None  # an all-gather in flight
+        self._secondary_shard: Optional[torch.Tensor] = None  # kept after forward for backward's gather
 
     # ------------------------------------------------------------------------- shards
 
@@ -84,15 +93,15 @@ class UnitStorage:
         flat = self._new_flat(fulls[0].dtype if fulls else torch.float32, device)
         for sp, full, slot in zip(self.params, fulls, self._slots(flat)):
             if not on_meta:
-                sp.local_part(slot).copy_(sp.rows_of(full.detach()))
+                sp.real_rows(slot).copy_(sp.rows_of(full.detach()))
             sp.attach_shard(slot, requires_grad=full.requires_grad)
         self.sharded_flat = flat
 
-    def ensure_shards_current(self, where: str) -> None:
+    def _ensure_shards_current(self, where: str) -> None:
         """Repack if a parameter's local tensor is no longer a view of its slot (``to_empty``,
         ``module.to(...)`` or a replaced parameter gave it new storage)."""
         locals_ = [sp.local_shard() for sp in self.params]
-        if all(_is_view(local, sp.local_part(slot)) for sp, local, slot in zip(self.params, locals_, self._slots(self.sharded_flat))):
+        if all(_is_view(local, sp.real_rows(slot)) for sp, local, slot in zip(self.params, locals_, self._slots(self.sharded_flat))):
             return
         self._check_materialised(locals_, where)
         dtypes = {local.dtype for local in locals_}
@@ -100,7 +109,7 @@ class UnitStorage:
             raise TypeError(f"{where}: the unit's parameters now have different dtypes {sorted(map(str, dtypes))}; a unit needs one dtype")
         flat = self._new_flat(locals_[0].dtype, self._storage_device(locals_[0].device))
         for sp, local, slot in zip(self.params, locals_, self._slots(flat)):
-            sp.local_part(slot).copy_(local)
+            sp.real_rows(slot).copy_(local)
             sp.attach_shard(slot, requires_grad=sp.requires_grad)
         self.sharded_flat = flat
 
@@ -126,6 +135,51 @@ class UnitStorage:
     def _slots(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return list(flat.split(self.widths))
 
+    # ------------------------------------------------------------------------- gather
+
+    def prepare(self, where: str) -> None:
+        """Repack the shards if they moved, (re)build the unsharded parameters if needed."""
+        self._ensure_shards_current(where)
+        self._prepare_unsharded()
+
+    def start(self, route: GatherRoute) -> None:
+        """Start gathering the shards (or a kept secondary shard, if ``route`` says so) into
+        the rank-major layout :meth:`finish` copies out; nothing when the unsharded parameters
+        view the shards. A secondary shard not used now is dropped."""
+        kept, self._secondary_shard = self._secondary_shard, None
+        if self.aliases_shards or not self.shard_numel:
+            return
+        source, group, world = self.sharded_flat, route.group, route.world
+        if kept is not None and route.secondary is not None:
+            source, group, world = kept, route.secondary.group, route.secondary.world
+        self._pending = start_all_gather(source, self.unsharded_dtype, self.compute_device, group, world, route.custom)
+
+    def finish(self, keep_secondary: Optional[SecondaryShardGroup]) -> None:
+        """Wait for the gather, keep the secondary shard if asked, fill the unsharded buffer."""
+        if self._pending is None:
+            return
+        gathered, self._pending = self._pending.wait(), None
+        if keep_secondary is not None:
+            self._secondary_shard = keep_secondary.cut(gathered, self.world)
+        self._allocate_unsharded()
+        torch._foreach_copy_(self._copy_out_blocks, self._gathered_blocks(gathered))
+
+    def discard(self) -> None:
+        """Finish a gather in flight unused; drop a kept secondary shard."""
+        if self._pending is not None:
+            self._pending.wait()
+        self._pending = self._secondary_shard = None
+
+    def full_copies(self, route: GatherRoute, where: str) -> list[torch.Tensor]:
+        """Collective: fresh full tensors of every parameter, in the shards' dtype."""
+        self._ensure_shards_current(where)
+        gathered = start_all_gather(self.sharded_flat, self.dtype, self.compute_device, route.group, route.world).wait()
+        buffer = torch.empty(self.world * self.shard_numel, dtype=gathered.dtype, device=gathered.device)
+        starts = self._offsets(self.world)
+        blocks = [_rank_major(sp, buffer[s : s + self.world * w]) for sp, s, w in zip(self.params, starts, self.widths)]
+        torch._foreach_copy_(blocks, self._gathered_blocks(gathered))
+        return [buffer[s : s + sp.geometry.numel].view(sp.geometry.shape) for sp, s in zip(self.params, starts)]
+
     # ---------------------------------------------------------------------- unsharded
 
     @property
@@ -138,7 +192,7 @@ class UnitStorage:
     def unsharded_dtype(self) -> torch.dtype:
         return self._unsharded_dtype or self.sharded_flat.dtype
 
-    def prepare_unsharded(self) -> None:
+    def _prepare_unsharded(self) -> None:
         """(Re)build the unsharded buffer and parameters if the shards' dtype or storage changed."""
         key = (self.unsharded_dtype, self.sharded_flat.device, self.aliases_shards and self.sharded_flat.data_ptr())
         if key == self._unsharded_key:
@@ -155,16 +209,17 @@ class UnitStorage:
             full = flat[start : start + sp.geometry.numel].view(sp.geometry.shape)
             sp.unsharded = nn.Parameter(sp.computes_as(full), requires_grad=sp.requires_grad)
         self._unsharded_flat = flat
-        self.free_unsharded()
+        self.free()
 
-    def allocate_unsharded(self) -> None:
+    def _allocate_unsharded(self) -> None:
         if not self.aliases_shards and self._unsharded_flat is not None:
             storage = self._unsharded_flat.untyped_storage()
             nbytes = self._unsharded_flat.numel() * self._unsharded_flat.element_size()
             if storage.nbytes() != nbytes:
                 storage.resize_(nbytes)
 
-    def free_unsharded(self) -> None:
+    def free(self) -> None:
+        """Free the unsharded buffer's storage (its tensors stay, for the next gather)."""
         if not self.aliases_shards and self._unsharded_flat is not None:
             self._unsharded_flat.untyped_storage().resize_(0)
 
@@ -173,18 +228,6 @@ class UnitStorage:
         if self.aliases_shards or self._unsharded_flat is None:
             return 0
         return self._unsharded_flat.untyped_storage().nbytes()
-
-    def copy_out(self, gathered: torch.Tensor) -> None:
-        """Rank-major all-gather output -> the unsharded parameters."""
-        torch._foreach_copy_(self._copy_out_blocks, self._gathered_blocks(gathered))
-
-    def full_copies(self, gathered: torch.Tensor) -> list[torch.Tensor]:
-        """Fresh full tensors of every parameter from a rank-major all-gather output."""
-        buffer = torch.empty(self.world * self.shard_numel, dtype=gathered.dtype, device=gathered.device)
-        starts = self._offsets(self.world)
-        blocks = [_rank_major(sp, buffer[s : s + self.world * w]) for sp, s, w in zip(self.params, starts, self.widths)]
-        torch._foreach_copy_(blocks, self._gathered_blocks(gathered))
-        return [buffer[s : s + sp.geometry.numel].view(sp.geometry.shape) for sp, s in zip(self.params, starts)]
 
     def _gathered_blocks(self, gathered: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter's column block of a rank-major all-gather output, shaped as its
@@ -212,7 +255,7 @@ class GradientLayout:
         ``received``) for each parameter some rank had a gradient for (``every``: for all)."""
         used = [True] * len(self.params) if every else self._used_anywhere(received)
         slots = received.split(self.widths)
-        return [(sp, sp.local_part(slot)) for sp, slot, is_used in zip(self.params, slots, used) if is_used]
+        return [(sp, sp.real_rows(slot)) for sp, slot, is_used in zip(self.params, slots, used) if is_used]
 
     def _used_anywhere(self, received: torch.Tensor) -> list[bool]:
         """Which parameters got a gradient on some rank. Reading the flags costs a device sync,

@@ -22,7 +22,7 @@ from __future__ import annotations
 import enum
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, TypeVar, Union
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,7 @@ __all__ = ["CPUOffload", "FSDP1Options", "MixedPrecision", "ProcessGroups", "Sha
 logger = logging.getLogger(__name__)
 
 ProcessGroups = Union[None, dist.ProcessGroup, tuple]
+_Enum = TypeVar("_Enum", bound=enum.Enum)
 
 
 class ShardingStrategy(enum.Enum):
@@ -177,7 +178,7 @@ def fsdp1_options(
         offload_params=_offload_params(cpu_offload, move_params_to_cpu),
         mixed_precision=_mixed_precision(mixed_precision, compute_dtype, fp32_reduce_scatter),
         wrap_policy=as_wrap_policy(auto_wrap_policy if auto_wrap_policy is not None else fsdp_auto_wrap_policy),
-        backward_prefetch=backward_prefetch,
+        backward_prefetch=None if backward_prefetch is None else _as_ours(backward_prefetch, BackwardPrefetch, "backward_prefetch"),
         ignored_modules=tuple(ignored_modules or ()),
         param_init_fn=param_init_fn,
         sync_module_states=sync_module_states,
@@ -187,20 +188,20 @@ def fsdp1_options(
 def _strategy(sharding_strategy: Optional[ShardingStrategy], reshard_after_forward: Optional[bool]) -> ShardingStrategy:
     """FSDP1's ``sharding_strategy`` (default ``FULL_SHARD``) or fairscale's ``reshard_after_forward``."""
     if reshard_after_forward is None:
-        return ShardingStrategy.FULL_SHARD if sharding_strategy is None else _as_our_strategy(sharding_strategy)
+        return ShardingStrategy.FULL_SHARD if sharding_strategy is None else _as_ours(sharding_strategy, ShardingStrategy, "sharding_strategy")
     if sharding_strategy is not None:
         raise ValueError(on_rank("pass sharding_strategy or fairscale's reshard_after_forward, not both"))
     return ShardingStrategy.FULL_SHARD if reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
 
 
-def _as_our_strategy(strategy: object) -> ShardingStrategy:
-    """``strategy`` as our :class:`ShardingStrategy`: torch's enum of that name (code written for
-    torch's FSDP passes it) maps by name; anything else raises."""
-    if isinstance(strategy, ShardingStrategy):
-        return strategy
-    if isinstance(strategy, enum.Enum) and strategy.name in ShardingStrategy.__members__:
-        return ShardingStrategy[strategy.name]
-    raise TypeError(on_rank(f"sharding_strategy must be a ShardingStrategy (sharded's or torch's), got {strategy!r}"))
+def _as_ours(value: object, ours: type[_Enum], argument: str) -> _Enum:
+    """``value`` as a member of our enum ``ours``: torch's enum of the same name (code written for
+    torch's FSDP passes it) maps by member name; anything else raises."""
+    if isinstance(value, ours):
+        return value
+    if isinstance(value, enum.Enum) and value.name in ours.__members__:
+        return ours[value.name]
+    raise TypeError(on_rank(f"{argument} must be a {ours.__name__} (sharded's or torch's), got {value!r}"))
 
 
 def _check_group_pair(process_group: ProcessGroups, strategy: ShardingStrategy) -> None:

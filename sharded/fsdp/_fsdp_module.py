@@ -22,21 +22,10 @@ from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
 
 from .._common import comm
 from .._common.errors import on_rank
-from ._root import Root
+from ._state import state_of
 from ._unit import Unit, unit_of, units_under
 
-__all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "run_pre_forward", "state_of"]
-
-# Where a unit's first module keeps the view fully_shard.state returns (on the module, not in a
-# global map, for the reason _unit.unit_of gives)
-_STATE_VIEW_ATTRIBUTE = "_sharded_fsdp_state"
-
-
-def run_pre_forward(unit: Unit, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
-    """A unit's forward pre-hook: the first unit to run becomes the root, then it gathers."""
-    if unit.root is None:
-        Root.claim(unit)
-    return unit.pre_forward(module, args, kwargs)
+__all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
 
 
 class UnshardHandle(TorchUnshardHandle):
@@ -50,41 +39,6 @@ class UnshardHandle(TorchUnshardHandle):
         if self._unit is not None:
             self._unit.wait_for_unshard()
             self._unit = None
-
-
-class _StateView:
-    """What ``FSDPModule._get_fsdp_state()`` and ``fully_shard.state(module)`` return: one per
-    ``fully_shard`` call (a list unit's modules share it, as in torch); enough of torch's
-    ``FSDPState`` for torch's own ``register_fsdp_forward_method`` to work on our modules; any
-    other attribute is torch internals we do not have, and says so."""
-
-    def __init__(self, module: nn.Module, unit: Unit) -> None:
-        self._module, self._unit = module, unit
-
-    def _pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        return run_pre_forward(self._unit, module, args, kwargs)
-
-    def _post_forward(self, module: nn.Module, _input: Any, output: Any) -> Any:
-        return self._unit.post_forward(module, output)
-
-    def __getattr__(self, name: str) -> Any:
-        raise NotImplementedError(on_rank(
-            f"torch FSDP internals asked a sharded.fully_shard module for FSDPState.{name}; sharded's "
-            "units keep their state in sharded.fsdp, not in torch's FSDPState"
-        ))
-
-
-def state_of(module: nn.Module) -> Optional[_StateView]:
-    """``fully_shard.state(module)``: the state of the ``fully_shard`` call applied to ``module``
-    (the same object every time), or ``None`` if none was, as torch's returns its ``FSDPState``."""
-    unit = unit_of(module)
-    if unit is None:
-        return None
-    first = unit.modules[0]
-    view = first.__dict__.get(_STATE_VIEW_ATTRIBUTE)
-    if view is None:
-        view = first.__dict__[_STATE_VIEW_ATTRIBUTE] = _StateView(first, unit)
-    return view
 
 
 class DeepcopyRefused(AssertionError):
@@ -139,7 +93,7 @@ class FSDPModule(TorchFSDPModule):
         computes; ``False`` waits for the all-gather before issuing any prefetch, as torch's
         default does. The numbers are the same; only the overlap differs."""
         for unit in self._fsdp_units(recurse=True):
-            unit.unshard_async_op = bool(async_op)
+            unit.settings.unshard_async_op = bool(async_op)
 
     # ---------------------------------------------------------- gather and free
 
@@ -158,17 +112,17 @@ class FSDPModule(TorchFSDPModule):
         """After a forward or backward raised: wait for the collectives in flight, drop the
         failed step's unreduced gradients, free gathered parameters, return every unit to rest.
         Call it on the root (the module ``fully_shard`` was applied to last)."""
-        unit = self._fsdp_unit()
-        if unit.root is None:
+        unit, root = self._fsdp_unit(), self._get_fsdp_state().root
+        if root is None:
             for u in units_under(self):  # type: ignore[arg-type]
                 u.reset()
             return
-        if unit.root.unit is not unit:
+        if root.unit is not unit:
             raise RuntimeError(on_rank(
-                f"reset_iter_state must be called on the root module ({unit.root.unit.module_name}), "
+                f"reset_iter_state must be called on the root module ({root.unit.module_name}), "
                 f"not on {unit.module_name}"
             ))
-        unit.root.reset()
+        root.reset()
 
     # ------------------------------------------------------------ step settings
 
@@ -189,15 +143,15 @@ class FSDPModule(TorchFSDPModule):
         ``no_sync``, the setting in force at a forward decides for its backward. For hybrid
         sharding this covers the all-reduce across replicas too."""
         for unit in self._fsdp_units(recurse):
-            unit.requires_gradient_sync = requires_gradient_sync
-            unit.requires_all_reduce = requires_gradient_sync
+            unit.settings.requires_gradient_sync = requires_gradient_sync
+            unit.settings.requires_all_reduce = requires_gradient_sync
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """Hybrid sharding: ``False`` reduce-scatters within the shard group now and keeps the
         result, deferring the all-reduce across replicas to the next backward with ``True``
         (gradients land in ``.grad`` then). No effect on a 1-D mesh."""
         for unit in self._fsdp_units(recurse):
-            unit.requires_all_reduce = requires_all_reduce
+            unit.settings.requires_all_reduce = requires_all_reduce
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Free gathered parameters after forward (``True``, also for the root) or keep them for
@@ -205,28 +159,28 @@ class FSDPModule(TorchFSDPModule):
         if not isinstance(reshard_after_forward, bool):
             raise ValueError(on_rank(f"reshard_after_forward should be a bool, got {type(reshard_after_forward)}"))
         for unit in self._fsdp_units(recurse):
-            unit.reshard_after_forward = reshard_after_forward
+            unit.settings.set_reshard_after_forward(reshard_after_forward)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """``False`` keeps parameters gathered after backward (saves the next forward's
         all-gather while accumulating gradients, at the cost of memory)."""
         for unit in self._fsdp_units(recurse):
-            unit.reshard_after_backward = reshard_after_backward
+            unit.settings.reshard_after_backward = reshard_after_backward
 
     def set_modules_to_forward_prefetch(self, modules: list[Any]) -> None:
         """Gather these sharded modules while this one computes its forward (replaces the
         default: the module that ran next in the previous forward)."""
-        self._fsdp_unit().forward_prefetch = _units_of(modules)
+        self._fsdp_unit().settings.forward_prefetch = _checked_prefetch_targets(modules)
 
     def set_modules_to_backward_prefetch(self, modules: list[Any]) -> None:
         """Gather these sharded modules when this one's backward starts (replaces the default:
         the module that ran before it in forward)."""
-        self._fsdp_unit().backward_prefetch = _units_of(modules)
+        self._fsdp_unit().settings.backward_prefetch = _checked_prefetch_targets(modules)
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """``False``: backward does not gather this unit's parameters (for units whose backward
         needs none of them, e.g. an embedding whose input needs no gradient)."""
-        self._fsdp_unit().unshard_in_backward = unshard_in_backward
+        self._fsdp_unit().settings.unshard_in_backward = unshard_in_backward
 
     # ---------------------------------------------------------- gradient reduction
 
@@ -235,7 +189,7 @@ class FSDPModule(TorchFSDPModule):
         (``1.0``: a plain sum) instead of averaging. This module's unit only, as in torch."""
         if not factor > 0:
             raise ValueError(on_rank(f"set_gradient_divide_factor needs a positive factor, got {factor!r}"))
-        self._fsdp_unit().gradient_divide_factor = float(factor)
+        self._fsdp_unit().settings.gradient_divide_factor = float(factor)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated name of :meth:`set_gradient_divide_factor`."""
@@ -245,14 +199,14 @@ class FSDPModule(TorchFSDPModule):
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Only ``SUM`` in the collectives: the division by the factor (default: the number of
         data-parallel ranks) happens on the reduced shard (for float16, half before)."""
-        self._fsdp_unit().force_sum_reduction = bool(enable)
+        self._fsdp_unit().settings.force_sum_reduction = bool(enable)
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
         """Whatever this says, a parameter one rank did not use is reduce-scattered with zeros
         (ranks never disagree on the collective). ``True``: a parameter no rank used gets a zero
         ``.grad``, as in torch; ``False`` (default): it keeps ``grad = None``, as with DDP."""
         for unit in self._fsdp_units(recurse):
-            unit.reduce_scatter_unused_params = reduce_scatter_unused_params
+            unit.settings.reduce_scatter_unused_params = reduce_scatter_unused_params
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         """How many units' gradient reductions (and their send buffers) may be in flight before
@@ -263,7 +217,7 @@ class FSDPModule(TorchFSDPModule):
         if max_input_buffers < 1:
             raise ValueError(on_rank(f"max_input_buffers must be a positive int, got {max_input_buffers}"))
         for unit in self._fsdp_units(recurse):
-            unit.max_reductions_in_flight = max_input_buffers
+            unit.settings.max_reductions_in_flight = max_input_buffers
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
         """Reduce-scatter over a process group of its own (same ranks as the shard group), so it
@@ -271,12 +225,12 @@ class FSDPModule(TorchFSDPModule):
         created: dict[tuple[int, ...], dist.ProcessGroup] = {}
         for unit in self._fsdp_units(recurse):
             if not enable:
-                unit.reduce_scatter_group = None
+                unit.settings.reduce_scatter_group = None
                 continue
             ranks = tuple(dist.get_process_group_ranks(unit.mesh_info.shard_group))
             if ranks not in created:
                 created[ranks] = comm.new_group_of_this_rank([ranks], use_local_synchronization=True)
-            unit.reduce_scatter_group = created[ranks]
+            unit.settings.reduce_scatter_group = created[ranks]
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Optional[Any] = None) -> None:
         """Call ``hook(reduced)`` on this unit's reduced gradient shard (after the all-reduce
@@ -288,18 +242,18 @@ class FSDPModule(TorchFSDPModule):
         unit = self._fsdp_unit()
         if stream is not None and unit.mesh_info.replicate_group is not None:
             raise ValueError(on_rank("stream cannot be set when using native HSDP"))
-        unit.all_reduce_hook = hook
-        unit.all_reduce_hook_stream = stream
+        unit.settings.all_reduce_hook = hook
+        unit.settings.all_reduce_hook_stream = stream
 
     def set_custom_all_gather(self, comm: Any) -> None:
         """Gather this unit's parameters with ``comm`` (a ``torch.distributed.fsdp.AllGather``:
         ``allocate`` for the output buffer, then the collective)."""
-        self._fsdp_unit().custom_all_gather = comm
+        self._fsdp_unit().settings.custom_all_gather = comm
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
         """Reduce-scatter this unit's gradients with ``comm`` (a
         ``torch.distributed.fsdp.ReduceScatter``)."""
-        self._fsdp_unit().custom_reduce_scatter = comm
+        self._fsdp_unit().settings.custom_reduce_scatter = comm
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """``False`` is what sharded always does; ``True`` raises."""
@@ -319,14 +273,14 @@ class FSDPModule(TorchFSDPModule):
         """Context for DDP habits: forwards inside it accumulate gradients without communication
         (``set_requires_gradient_sync(False)`` for the module's units, restored on exit)."""
         units = self._fsdp_units(recurse=True)
-        previous = [(u.requires_gradient_sync, u.requires_all_reduce) for u in units]
+        previous = [(u.settings.requires_gradient_sync, u.settings.requires_all_reduce) for u in units]
         for unit in units:
-            unit.requires_gradient_sync = False
+            unit.settings.requires_gradient_sync = False
         try:
             yield
         finally:
             for unit, (sync, all_reduce) in zip(units, previous):
-                unit.requires_gradient_sync, unit.requires_all_reduce = sync, all_reduce
+                unit.settings.requires_gradient_sync, unit.settings.requires_all_reduce = sync, all_reduce
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
@@ -346,9 +300,8 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     setattr(module, method_name, wrapped.__get__(module, type(module)))
 
 
-def _units_of(modules: list[Any]) -> list[Unit]:
-    units = [unit_of(m) for m in modules]
-    missing = [type(m).__name__ for m, u in zip(modules, units) if u is None]
+def _checked_prefetch_targets(modules: list[Any]) -> list[nn.Module]:
+    missing = [type(m).__name__ for m in modules if not isinstance(m, nn.Module) or unit_of(m) is None]
     if missing:
         raise ValueError(on_rank(f"prefetch targets must be modules fully_shard was applied to; {missing[0]} is not"))
-    return units  # type: ignore[return-value]
+    return list(modules)

@@ -5,6 +5,7 @@
 * Its *post-backward* is a gradient hook on the forward's inputs that fires once all of their
   gradients are complete, i.e. when the unit's own backward ops are done.
 * Module forward pre/post hooks call the unit around the module's forward.
+* A :class:`BackwardTracker` counts a unit's forward calls whose backward is still to come.
 
 Inputs and outputs may be nested tuples, lists and dicts of tensors; :func:`map_tensors`
 walks them.
@@ -25,6 +26,7 @@ __all__ = [
     "map_tensors",
     "tensors_in",
     "cast_floats",
+    "BackwardTracker",
 ]
 
 
@@ -117,3 +119,42 @@ def register_pre_backward(callback: Callable[[], None], output: Any) -> None:
         elif id(node) not in hooked:
             hooked.add(id(node))
             node.register_prehook(lambda _grads: callback())
+
+
+class BackwardTracker:
+    """Whether a unit's backward is still to come, and when it is done.
+
+    Each grad-enabled forward call of the unit's modules watches its inputs
+    (:func:`watch_input_gradients`): once backward has computed their gradients, that call's
+    backward ops are done, and the unit's backward is done when every call's is (a block called
+    twice is differentiated twice). A call with no input needing a gradient gives no such signal,
+    so the unit's gradients then wait for the end of backward (e.g. a list unit with the token
+    embedding, whose weight is tied to the head: one reduction, not two).
+    """
+
+    def __init__(self) -> None:
+        self.awaiting = False  # a grad-enabled forward ran whose backward is not finished
+        self.syncs = True  # requires_gradient_sync as it was at that forward: it decides for its backward
+        self._open_calls = 0  # grad-enabled forward calls whose inputs' gradients are pending
+        self._done_at_end = False  # a call had no input needing a gradient
+
+    def watch_forward_call(self, args: Any, kwargs: Any, syncs: bool, on_done: Callable[[], None]) -> None:
+        """A grad-enabled forward call with inputs ``args`` / ``kwargs``: call ``on_done()`` when
+        the backward of every call watched so far is done (never, if one could not be watched)."""
+        self.awaiting = True
+        self.syncs = syncs
+        watched = watch_input_gradients(lambda: self._call_done(on_done), args, kwargs)
+        self._open_calls += watched
+        self._done_at_end = self._done_at_end or not watched
+
+    def _call_done(self, on_done: Callable[[], None]) -> None:
+        if self._open_calls > 0:
+            self._open_calls -= 1
+            if self._open_calls == 0 and not self._done_at_end:
+                on_done()
+
+    def reset(self) -> None:
+        """The step is over (or was abandoned): no backward is awaited."""
+        self.awaiting = False
+        self._open_calls = 0
+        self._done_at_end = False

@@ -146,8 +146,9 @@ class ShardedParam:
     def requires_grad(self) -> bool:
         return self.sharded.requires_grad
 
-    def local_part(self, slot: torch.Tensor) -> torch.Tensor:
-        """This rank's real rows inside its padded ``slot`` (a 1-D piece of a flat buffer)."""
+    def real_rows(self, slot: torch.Tensor) -> torch.Tensor:
+        """The real (unpadded) rows of this rank's padded ``slot`` (a 1-D piece of a flat buffer),
+        shaped as its shard."""
         g = self.geometry
         if g.replicated:
             return slot.view(())
@@ -177,7 +178,7 @@ class ShardedParam:
         gave it new storage) keep the same Python object, which an optimizer may already hold,
         and carry its gradient and attributes over.
         """
-        self.attach_local(self.local_part(slot), requires_grad)
+        self.attach_local(self.real_rows(slot), requires_grad)
 
     def attach_local(self, local: torch.Tensor, requires_grad: bool) -> None:
         """Make ``local`` (this rank's rows) the sharded parameter's local tensor (see

@@ -1,12 +1,12 @@
-"""One unit's gradient reduction in flight, between its start and its gradients landing.
+"""One unit's gradient reduction: its set-up, and the reduction in flight until its gradients land.
 
-The unit packs its gradients (:func:`._flat_buffers.pack_gradients`), scales them and starts
-the reduce-scatter (:mod:`._collectives`); a :class:`Reduction` then waits for it, adds what
-earlier backwards left (hybrid sharding with the all-reduce deferred), all-reduces across
-replicas, applies the user's hook and the last scaling, unpacks this rank's row into one
-gradient shard per parameter and hands those to the unit, which writes ``param.grad``. The
-root decides when (a bounded number of reductions stays in flight; the rest at the end of
-backward).
+A unit's :class:`GradientReducer` packs its gradients (:func:`._flat_buffers.pack_gradients`),
+scales them and starts the reduce-scatter (:mod:`._collectives`), as the unit's settings say at
+that moment; a :class:`Reduction` then waits for it, adds what earlier backwards left (hybrid
+sharding with the all-reduce deferred), all-reduces across replicas, applies the user's hook and
+the last scaling, unpacks this rank's row into one gradient shard per parameter and adds those
+to the parameters' ``.grad``. The root decides when (a bounded number of reductions stays in
+flight; the rest at the end of backward).
 """
 
 from __future__ import annotations
@@ -20,13 +20,15 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from .._common import comm
-from ._collectives import PendingReduceScatter
-from ._flat_buffers import GradientLayout
+from ._collectives import PendingReduceScatter, ProfilerLabels, new_buffer, start_reduce_scatter
+from ._flat_buffers import GradientLayout, pack_gradients
 from ._param import ShardedParam
-from ._reduce_ops import DivisionPlan
+from ._placement.mesh import MeshInfo
+from ._reduce_ops import DivisionPlan, division_plan
+from ._settings import UnitSettings
 from ._streams import CommStreams
 
-__all__ = ["ReduceSettings", "GradientShards", "Reduction"]
+__all__ = ["ReduceSettings", "GradientShards", "Reduction", "GradientReducer"]
 
 # (parameter, this rank's rows of its reduced gradient), for each parameter that gets one
 GradientShards = list[tuple[ShardedParam, torch.Tensor]]
@@ -73,7 +75,7 @@ class Reduction:
         settings: how to reduce.
         streams: the device's streams (the reduction's work runs on the reduce-scatter stream).
         label: the profiler label for unpacking and landing.
-        land: the unit's writer of ``param.grad``.
+        land: the writer of ``param.grad``.
     """
 
     def __init__(
@@ -140,3 +142,71 @@ class Reduction:
                 settings.hook(received)
         settings.plan.scale_received(received)
         return True
+
+
+class GradientReducer:
+    """How one unit's gradients are reduced: each backward's full gradients packed, scaled and
+    reduce-scattered as the unit's settings say when the reduction starts, the shards that come
+    back added to the parameters' ``.grad``. Between backwards it keeps the scattered sum that a
+    deferred all-reduce left (hybrid sharding, ``set_requires_all_reduce(False)``).
+
+    Args:
+        mesh_info: the unit's mesh.
+        settings: the unit's settings.
+        streams: the device's streams.
+    """
+
+    def __init__(self, mesh_info: MeshInfo, settings: UnitSettings, streams: CommStreams) -> None:
+        self._mesh_info = mesh_info
+        self._settings = settings
+        self._streams = streams
+        self._partial: Optional[torch.Tensor] = None  # scattered sums awaiting a deferred all-reduce
+
+    def start(self, params: list[ShardedParam], grads: list[Optional[torch.Tensor]], dtype: torch.dtype, labels: ProfilerLabels) -> Reduction:
+        """Pack the full ``grads`` of ``params`` (``None`` where this rank has none) in
+        ``dtype``, scale them and start reduce-scattering them, as the all-gather's mirror image.
+        Empties ``grads`` once packed: the full gradients are freed before the collective runs."""
+        info, world = self._mesh_info, self._mesh_info.shard_world
+        settings = self._reduce_settings(dtype)
+        device, comm = info.device, settings.comm
+        self._streams.reduce_scatter_after_compute([g for g in grads if g is not None])
+        with self._streams.on_reduce_scatter(), record_function(labels.reduce_scatter):
+            sent, layout = pack_gradients(params, grads, world, lambda numel: new_buffer(numel, dtype, device, comm))
+            grads.clear()
+            settings.plan.scale_sent(sent)
+            group = self._settings.reduce_scatter_group or info.shard_group
+            scatter = start_reduce_scatter(sent, group, world, settings.plan.scatter_op, comm)
+        reduction = Reduction(scatter, layout, settings, self._streams, labels.land_gradients, _land_gradients)
+        if world == 1:
+            reduction.advance()  # nothing to wait for: start the all-reduce across replicas now
+        return reduction
+
+    def drop_partial(self) -> None:
+        """Forget the scattered sum a deferred all-reduce left (a reset)."""
+        self._partial = None
+
+    def _reduce_settings(self, dtype: torch.dtype) -> ReduceSettings:
+        info, asked = self._mesh_info, self._settings
+        replicas = info.mesh.size(0) if info.replicate_group is not None else 1
+        plan = division_plan(dtype, info.shard_world, replicas, asked.gradient_divide_factor, asked.force_sum_reduction)
+        carried, self._partial = self._partial, None
+        return ReduceSettings(
+            plan,
+            replicate_group=info.replicate_group,
+            all_reduce_now=asked.requires_all_reduce,
+            carried=carried,
+            keep_partial=self._keep_partial,
+            hook=asked.all_reduce_hook,
+            hook_stream=(asked.all_reduce_hook_stream, info.device) if asked.all_reduce_hook_stream is not None else None,
+            land_unused=asked.reduce_scatter_unused_params,
+            comm=asked.custom_reduce_scatter,
+        )
+
+    def _keep_partial(self, scattered: torch.Tensor) -> None:
+        self._partial = scattered
+
+
+def _land_gradients(shards: GradientShards) -> None:
+    """Add each reduced gradient shard to its parameter's sharded ``.grad``."""
+    for sp, local_grad in shards:
+        sp.add_to_sharded_grad(local_grad)

@@ -1,13 +1,17 @@
 """What the outermost unit of a model does for all of them.
 
 The first unit whose forward runs becomes the root of every unit below it (lazily, as in FSDP2:
-only then is the whole tree known). The root names units and parameters by their full paths
-(module paths are what errors and profiler labels show, as torch's FQNs), checks that
-every rank built the same model before the first collective can hang on a mismatch, records the
-orders units start and end their forward in (to prefetch the next one's all-gather in forward
-and in backward), and owns the end of backward: one autograd-engine callback, queued when
-backward first reaches any unit, that sends what is left, waits for every gradient in flight,
-and returns the units to rest.
+only then is the whole tree known). The units' hooks (:mod:`._state`) call the root at each event
+of the step; the root calls the units, which never call it back (they share its
+:class:`~._settings.StepContext`, nothing more).
+
+The root names units and parameters by their full paths (module paths are what errors and
+profiler labels show, as torch's FQNs), checks that every rank built the same model before the
+first collective can hang on a mismatch, records the orders units start and end their forward in
+(to prefetch the next one's all-gather in forward and in backward), keeps a bounded number of
+gradient reductions in flight, and owns the end of backward: one autograd-engine callback,
+queued when backward first reaches any unit, that sends what is left, waits for every gradient
+in flight, and returns the units to rest.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from .._common.checks import check_same_across_ranks
 from .._common.errors import on_rank
 from ._extension import check_no_late_hooks
 from ._reduction import Reduction
-from ._unit import ShardState, TrainingState, Unit, units_under
+from ._unit import ShardState, TrainingState, Unit, unit_of, units_under
+from .policies import BackwardPrefetch
 
 __all__ = ["Root"]
 
@@ -37,12 +42,12 @@ MAX_REDUCTIONS_IN_FLIGHT = 1
 
 
 class Root:
-    """The model-wide state of one forward/backward, held by the outermost unit."""
+    """The model-wide state of a forward and backward: the outermost unit (``unit``) and every
+    unit below it (``units``, outermost first), which all reach it through their hooks."""
 
     def __init__(self, unit: Unit, units: list[Unit]) -> None:
         self.unit = unit
         self.units = units
-        self.in_backward = False
         self.forward_order: list[Unit] = []  # in the order their forward started
         self.backward_order: list[Unit] = []  # the reverse of the order their forward ended
         self._after: dict[str, dict[Unit, Unit]] = {"forward": {}, "backward": {}}  # each order's next unit
@@ -59,30 +64,29 @@ class Root:
                 "forward first, so it would be the root; apply fully_shard to their common parent too"
             ))
         units = units_under(unit.module)
+        paths = {id(m): path for path, m in unit.module.named_modules()}
+        for u in units:
+            u.name_by_paths([paths.get(id(m), "") for m in u.modules])
         busy = [u for u in units if u.training_state is not TrainingState.IDLE]
         if busy:
             raise RuntimeError(f"{busy[0]} is in {busy[0].training_state.name} while {unit} starts its first forward as the root")
         root = cls(unit, units)
         for u in units:
-            u.root = root
             u.context = unit.context
-            if u.reshard_after_forward is None:  # FSDP2's default: True, except for the root
-                u.reshard_after_forward = u is not unit
+            if u.settings.reshard_after_forward is None:  # FSDP2's default: True, except for the root
+                u.settings.reshard_after_forward = u is not unit
         for u in units:  # parameters assigned before the first forward are named by their paths too
             u.adopt_assigned_params(shards_only=True)
-        root._name_by_paths(unit.module)
+        root._name_params_by_paths(unit.module)
         root._check_same_across_ranks()
         check_no_late_hooks([sp for u in units for sp in u.params])
         logger.debug("%s is the root of %d units", unit, len(units))
         return root
 
-    def _name_by_paths(self, module: nn.Module) -> None:
-        """Each unit by its module path(s) below ``module`` (which is ``""``), each parameter by
-        its full name."""
-        paths = {id(m): path for path, m in module.named_modules()}
+    def _name_params_by_paths(self, module: nn.Module) -> None:
+        """Each parameter by its full name below ``module``."""
         names = {id(p): name for name, p in module.named_parameters()}
         for u in self.units:
-            u.name_by_paths([paths.get(id(m), "") for m in u.modules])
             for sp in u.params:
                 sp.fqn = names.get(id(sp.sharded), sp.fqn)
 
@@ -95,6 +99,11 @@ class Root:
                 check_same_across_ranks(named, group, "fully_shard parameters")
         except ValueError as mismatch:
             raise ValueError(on_rank(str(mismatch))) from mismatch
+
+    @property
+    def in_backward(self) -> bool:
+        """From the first unit backward reaches to the end of backward."""
+        return self.unit.context.in_backward
 
     # ------------------------------------------------------------------------ forward
 
@@ -109,14 +118,16 @@ class Root:
     def record_forward(self, unit: Unit) -> None:
         self._this_forward.setdefault(unit)
 
-    def record_forward_end(self, unit: Unit) -> None:
+    def complete_forward(self, unit: Unit, grad_enabled: bool) -> None:
+        """Every module of ``unit`` has run (or this forward ended without some of them)."""
         self._ended_this_forward.setdefault(unit)
+        unit.complete_forward(grad_enabled)
 
     def end_forward(self, grad_enabled: bool) -> None:
         """Remember this forward's orders; free whatever no backward will need."""
         for u in self.units:
             if u is not self.unit and u.training_state is TrainingState.FORWARD:
-                u.complete_forward(grad_enabled)  # a list unit some of whose modules did not run
+                self.complete_forward(u, grad_enabled)  # a list unit some of whose modules did not run
         self.forward_order = list(self._this_forward)
         # backward runs a unit's gradients once every unit that used its outputs is done: in
         # the reverse of the order forwards ended (the root first, then its last child), not of
@@ -125,22 +136,24 @@ class Root:
         for name, order in (("forward", self.forward_order), ("backward", self.backward_order)):
             self._after[name] = dict(zip(order, order[1:]))
         for u in self.units:
-            unused_prefetch = u is not self.unit and not u.awaiting_backward and u.reshard_after_forward
+            unused_prefetch = u is not self.unit and not u.backward.awaiting and u.settings.reshard_after_forward
             if not grad_enabled or (unused_prefetch and u.shard_state is not ShardState.SHARDED):
                 u.reshard()
 
     def prefetch_forward(self, unit: Unit) -> None:
         """Start the all-gather of the unit(s) to run after ``unit``."""
-        targets = unit.forward_prefetch if unit.forward_prefetch is not None else self._next("forward", unit)
+        asked = unit.settings.forward_prefetch
+        targets = _units_of(asked) if asked is not None else self._next("forward", unit)
         for target in targets:
             target.unshard(async_op=True)
 
     def prefetch_backward(self, unit: Unit) -> None:
         """Start the all-gather of the unit(s) whose backward comes after ``unit``'s."""
-        if unit.backward_prefetch is not None:
-            targets = unit.backward_prefetch
+        asked = unit.settings.backward_prefetch
+        if asked is not None:
+            targets = _units_of(asked)
         else:
-            targets = [u for u in self._next("backward", unit) if u.awaiting_backward]
+            targets = [u for u in self._next("backward", unit) if u.backward.awaiting]
         for target in targets:
             if target.training_state is not TrainingState.POST_BACKWARD:
                 target.unshard(async_op=True)
@@ -156,10 +169,19 @@ class Root:
     def begin_backward(self) -> None:
         """Queue the end-of-backward callback once per backward."""
         if not self.in_backward:
-            self.in_backward = True
+            self.unit.context.in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
-    def add_reduction(self, start: Callable[[], Reduction]) -> None:
+    def post_backward(self, unit: Unit) -> None:
+        """``unit``'s backward is done: its gradients go, and (``BACKWARD_POST``) the next
+        unit's all-gather starts."""
+        start = unit.post_backward()
+        if start is not None:
+            self._add_reduction(start)
+        if unit.settings.backward_prefetch_timing is BackwardPrefetch.BACKWARD_POST:
+            self.prefetch_backward(unit)
+
+    def _add_reduction(self, start: Callable[[], Reduction]) -> None:
         """Start a unit's reduction (``start()`` packs its gradients and sends them), finishing
         the oldest in flight first when the limit is reached: their send buffers are freed
         before the new one is allocated, not after."""
@@ -172,7 +194,7 @@ class Root:
 
     def _max_in_flight(self) -> int:
         """``set_reduce_scatter_max_input_buffers``: the largest any unit asked for."""
-        asked = [u.max_reductions_in_flight for u in self.units if u.max_reductions_in_flight is not None]
+        asked = [u.settings.max_reductions_in_flight for u in self.units if u.settings.max_reductions_in_flight is not None]
         return max(asked, default=MAX_REDUCTIONS_IN_FLIGHT)
 
     def reset(self) -> None:
@@ -185,22 +207,27 @@ class Root:
             u.reset()
         self._this_forward = {}
         self._ended_this_forward = {}
-        self.in_backward = False
+        self.unit.context.in_backward = False
 
     def _finish_backward(self) -> None:
         try:
             for u in self.units:
                 if u.needs_post_backward:
-                    u.post_backward()
+                    self.post_backward(u)
             # set_is_last_backward(False) (microbatching): the newest reductions may land later
             keep = self._max_in_flight() if not self.unit.context.is_last_backward else 0
             while len(self._reductions) > keep:
                 self._reductions.pop(0).finish()
             for streams in {u.streams for u in self.units}:
                 streams.compute_after_reduce_scatter()
-                if any(u.config.offloads for u in self.units):
+                if any(u.settings.offloads for u in self.units):
                     streams.host_waits(streams.record())  # gradients copied to the CPU
             for u in self.units:
                 u.finish_step()
         finally:
-            self.in_backward = False
+            self.unit.context.in_backward = False
+
+
+def _units_of(modules: list[nn.Module]) -> list[Unit]:
+    """The units of prefetch targets (modules ``fully_shard`` was applied to, checked when set)."""
+    return [u for u in map(unit_of, modules) if u is not None]

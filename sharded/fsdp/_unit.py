@@ -3,15 +3,19 @@
 A unit all-gathers its shards before its module computes and frees the gathered parameters
 after; it reduce-scatters its gradients as soon as its backward is done. Two enums say where it
 is, instead of a scatter of booleans: :class:`ShardState` (what memory it holds) and
-:class:`TrainingState` (where in the step it is). What concerns the whole model (lazy set-up,
-execution order, prefetching, the end of backward) belongs to its :class:`~._root.Root`.
+:class:`TrainingState` (where in the step it is).
+
+A unit is FSDP2's param group, and like it does not know what drives it: its modules' hooks
+(:class:`~._state.UnitState`) call it at each event of the step, and call the model's
+:class:`~._root.Root` for what concerns the whole model (lazy set-up, execution order,
+prefetching, reductions in flight, the end of backward). What the unit shares with the rest of
+its model is data: the :class:`~._settings.StepContext`.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence, Union, cast
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -20,23 +24,20 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from .._common.errors import on_rank
-from ._collectives import PendingGather, new_buffer, start_all_gather, start_reduce_scatter
-from ._extension import ExtensionGather, shard_with_extension
-from ._flat_buffers import UnitStorage, pack_gradients
-from ._hooks import cast_floats, register_pre_backward, watch_input_gradients
+from ._collectives import ProfilerLabels
+from ._extension import ExtensionGather
+from ._flat_buffers import UnitStorage
+from ._gather import GatherRoute, ParamGather
+from ._hooks import BackwardTracker, cast_floats
 from ._param import ShardedParam
 from ._placement.mesh import MeshInfo
-from ._placement.secondary_shard import SecondaryShard
-from ._reduce_ops import division_plan
-from ._reduction import GradientShards, ReduceSettings, Reduction
+from ._placement.secondary_shard import SecondaryShardGroup
+from ._reduction import GradientReducer, Reduction
 from ._registry import register_sharded, retire
+from ._settings import StepContext, UnitSettings
 from ._streams import CommStreams
-from .policies import BackwardPrefetch, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-if TYPE_CHECKING:
-    from ._root import Root
-
-__all__ = ["ShardState", "TrainingState", "UnitConfig", "StepContext", "ProfilerLabels", "Unit", "unit_of", "units_under"]
+__all__ = ["ShardState", "TrainingState", "Unit", "unit_of", "units_under"]
 
 # A module keeps the unit fully_shard made over it in its own __dict__: a global map would be
 # kept alive by the unit's references to its modules, so a model dropped by its user, with every
@@ -58,42 +59,6 @@ class TrainingState(enum.Enum):
     POST_BACKWARD = enum.auto()  # its backward is done and its gradients are on their way
 
 
-@dataclass(frozen=True)
-class UnitConfig:
-    """What ``fully_shard`` was asked for."""
-
-    mp_policy: MixedPrecisionPolicy
-    offload_policy: Optional[OffloadPolicy]
-    reshard_after_forward: Union[bool, int, None]  # None: True, except for the root; int: hpZ's world
-
-    @property
-    def offloads(self) -> bool:
-        return isinstance(self.offload_policy, CPUOffloadPolicy)
-
-
-@dataclass
-class StepContext:
-    """Settings of a whole model's step, shared by all its units once the root is known
-    (``set_is_last_backward``, ``set_post_optim_event``)."""
-
-    is_last_backward: bool = True
-    post_optim_event: Optional[Any] = None
-
-
-@dataclass(frozen=True)
-class ProfilerLabels:
-    """A unit's ``record_function`` labels (``sharded::all_gather(layers.3)``), built once per
-    name rather than on every call."""
-
-    all_gather: str
-    reduce_scatter: str
-    land_gradients: str
-
-    @classmethod
-    def naming(cls, unit_name: str) -> "ProfilerLabels":
-        return cls(*(f"sharded::{what}({unit_name})" for what in ("all_gather", "reduce_scatter", "land_gradients")))
-
-
 def unit_of(module: nn.Module) -> Optional["Unit"]:
     """The unit ``fully_shard(module)`` made, if any."""
     return module.__dict__.get(_UNIT_ATTRIBUTE)
@@ -109,12 +74,12 @@ def units_under(module: nn.Module) -> list["Unit"]:
 class Unit:
     """One ``fully_shard`` call's parameters, with their collectives and lifecycle.
 
-    Settings users change through the module's methods (FSDP2's ``FSDPModule`` API):
-    ``reshard_after_forward``, ``reshard_after_backward``, ``requires_gradient_sync``,
-    ``requires_all_reduce``, explicit ``forward_prefetch`` / ``backward_prefetch`` lists and
-    ``backward_prefetch_timing``, ``unshard_in_backward``, and how gradients are reduced
-    (``gradient_divide_factor``, ``force_sum_reduction``, ``reduce_scatter_unused_params``,
-    ``all_reduce_hook``, custom collectives, a separate reduce-scatter group).
+    The unit keeps where it is (the two enums) and drives its parts, each with one job:
+    ``settings`` (:class:`~._settings.UnitSettings`: what ``fully_shard`` was given and what the
+    module's methods, FSDP2's ``FSDPModule`` API, change later); ``gathers`` (a
+    :class:`~._gather.ParamGather` per kind of storage: the plain parameters' flat buffers, the
+    all-gather extension's); ``reducer`` (:class:`~._reduction.GradientReducer`); ``backward``
+    (:class:`~._hooks.BackwardTracker`).
 
     ``modules``: the module(s) one ``fully_shard`` call was given; a list makes one unit that
     all of them use (e.g. a final norm and the output head).
@@ -124,63 +89,21 @@ class Unit:
     FQN. Paths are known once the root is (:meth:`name_by_paths`); until then, the class names.
     """
 
-    def __init__(self, modules: Sequence[nn.Module], params: Sequence[ShardedParam], mesh_info: MeshInfo, config: UnitConfig) -> None:
+    def __init__(self, modules: Sequence[nn.Module], params: Sequence[ShardedParam], mesh_info: MeshInfo, settings: UnitSettings) -> None:
         self.modules = list(modules)
-        self.module = self.modules[0]
         self._class_names = [type(m).__name__ for m in self.modules]  # before fully_shard swaps the classes
         self.name_by_paths([""] * len(self.modules))
         self.params = list(params)
         self.mesh_info = mesh_info
-        self.config = config
-        self.device = mesh_info.device
-        plain = [sp for sp in self.params if not sp.gather_extension]
-        self.storage = UnitStorage(
-            plain,
-            mesh_info.shard_world,
-            self.device,
-            offload_to_cpu=config.offloads,
-            pin_memory=isinstance(config.offload_policy, CPUOffloadPolicy) and config.offload_policy.pin_memory,
-            unsharded_dtype=config.mp_policy.param_dtype,
-        )
-        extended = [sp for sp in self.params if sp.gather_extension]
-        self.extensions = ExtensionGather(extended, mesh_info.mesh, config.mp_policy, self.device) if extended else None
-        if self.device not in _STREAMS:
-            _STREAMS[self.device] = CommStreams(self.device)
-        self.streams = _STREAMS[self.device]
+        self.settings = settings
+        self.context = StepContext()  # the model's, once its root is known
+        self.gathers = _gathers_for(self.params, mesh_info, settings)
+        self.streams = _streams_for(mesh_info.device)
+        self.reducer = GradientReducer(mesh_info, settings, self.streams)
+        self.backward = BackwardTracker()
         self.shard_state = ShardState.SHARDED
         self.training_state = TrainingState.IDLE
-        self.root: Optional[Root] = None  # the Root of the model this unit runs in, set at the first forward
-        self.reshard_after_forward = config.reshard_after_forward
-        self.secondary_shard: Optional[SecondaryShard] = None  # reshard_after_forward=k: the group of k
-        self._post_forward_piece: Optional[torch.Tensor] = None  # kept after forward for the backward gather
-        self.reshard_after_backward = True
-        self.requires_gradient_sync = True
-        self.requires_all_reduce = True
-        self.unshard_in_backward = True
-        self.unshard_async_op = True  # False: the forward's all-gather lands before prefetches start
-        self.gradient_divide_factor: Optional[float] = None
-        self.force_sum_reduction = False
-        self.reduce_scatter_unused_params = False
-        self.max_reductions_in_flight: Optional[int] = None
-        self.all_reduce_hook: Optional[Any] = None
-        self.all_reduce_hook_stream: Optional[Any] = None
-        self.custom_all_gather: Optional[Any] = None
-        self.custom_reduce_scatter: Optional[Any] = None
-        self.reduce_scatter_group: Optional[dist.ProcessGroup] = None
-        self.context = StepContext()
-        self._partial_reduction: Optional[torch.Tensor] = None  # hybrid, all-reduce deferred
         self._modules_to_run: set[nn.Module] = set()  # of a list unit, in this forward
-        self.forward_prefetch: Optional[list[Unit]] = None
-        self.backward_prefetch: Optional[list[Unit]] = None
-        self.backward_prefetch_timing: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE
-        self._gather: Optional[PendingGather] = None
-        self.awaiting_backward = False  # ran a grad-enabled forward whose backward is not finished
-        self._open_forward_calls = 0  # grad-enabled forward calls whose inputs' gradients are pending
-        # a grad-enabled call had no input needing a gradient, so no hook tells when its backward
-        # is done: the unit's gradients are sent at the end of backward (e.g. a list unit with
-        # the token embedding, whose weight is tied to the head: one reduction, not two)
-        self._reduce_at_end = False
-        self._sync_this_backward = True
         for module in self.modules:
             module.__dict__[_UNIT_ATTRIBUTE] = self
 
@@ -195,28 +118,25 @@ class Unit:
         self.labels = ProfilerLabels.naming(self.module_name)
 
     @property
-    def running_root(self) -> Root:
-        """The root, known from the model's first forward on (every hook runs after it)."""
-        if self.root is None:
-            raise RuntimeError(f"{self!r} has no root yet: the model has not run forward")
-        return self.root
+    def module(self) -> nn.Module:
+        """The module ``fully_shard`` was given (of a list, the first)."""
+        return self.modules[0]
 
     @property
     def reduce_dtype(self) -> torch.dtype:
-        mp = self.config.mp_policy
+        mp = self.settings.mp_policy
         return mp.reduce_dtype or mp.param_dtype or self._master_dtype
 
     @property
     def _master_dtype(self) -> torch.dtype:
-        return self.storage.dtype if self.storage.params else self.params[0].local_shard().dtype
+        """The shards' dtype (the plain parameters' if there are any)."""
+        return self.gathers[0].dtype
 
     def shard_from_full(self, fulls: Sequence[torch.Tensor]) -> None:
-        """Build the shards from the full parameters (in ``params`` order): the flat buffers for
-        plain ones, the subclass's own for those with the all-gather extension."""
-        self.storage.shard_from_full([full for sp, full in zip(self.params, fulls) if not sp.gather_extension])
-        for sp, full in zip(self.params, fulls):
-            if sp.gather_extension:
-                shard_with_extension(sp, full)
+        """Build the shards from the full parameters (in ``params`` order)."""
+        full_of = {id(sp): full for sp, full in zip(self.params, fulls)}
+        for gather in self.gathers:
+            gather.shard_from_full([full_of[id(sp)] for sp in gather.params])
 
     def reshard_at_rest(self) -> None:
         """Before a state dict is read or loaded: show the shards (a unit kept gathered after
@@ -259,87 +179,61 @@ class Unit:
 
     def _start_gather(self) -> None:
         self.adopt_assigned_params()
-        self.storage.ensure_shards_current(where=repr(self))
-        self.storage.prepare_unsharded()
-        piece, self._post_forward_piece = self._post_forward_piece, None
-        if not self.storage.aliases_shards and self.storage.shard_numel:
-            self.streams.all_gather_after_compute()  # e.g. the optimizer step wrote the shards
-            source, group, world = self.storage.sharded_flat, self.mesh_info.shard_group, self.mesh_info.shard_world
-            in_backward = self.root is not None and self.root.in_backward
-            if piece is not None and self.secondary_shard is not None and in_backward:  # after an hpZ forward
-                source, group, world = piece, self.secondary_shard.group, self.secondary_shard.world
-            with self.streams.on_all_gather(), record_function(self.labels.all_gather):
-                self._gather = start_all_gather(
-                    source, self.storage.unsharded_dtype, self.device, group, world, self.custom_all_gather
-                )
-        if self.extensions is not None:
-            with self.streams.on_all_gather(), record_function(self.labels.all_gather):
-                self.extensions.start(self.mesh_info.shard_group, self.mesh_info.shard_world, self.custom_all_gather)
+        for gather in self.gathers:
+            gather.prepare(where=repr(self))
+        self.streams.all_gather_after_compute()  # e.g. the optimizer step wrote the shards
+        route = self._gather_route()
+        with self.streams.on_all_gather(), record_function(self.labels.all_gather):
+            for gather in self.gathers:
+                gather.start(route)
         self.shard_state = ShardState.GATHERING
+
+    def _gather_route(self) -> GatherRoute:
+        """Over the shard group; in backward, a secondary shard kept by the forward is gathered
+        within its group instead."""
+        info, asked = self.mesh_info, self.settings
+        secondary = asked.secondary_shard if self.context.in_backward else None
+        return GatherRoute(info.shard_group, info.shard_world, asked.custom_all_gather, secondary)
 
     def wait_for_unshard(self) -> None:
         """Finish an all-gather in flight and show the full parameters to the module."""
         if self.shard_state is not ShardState.GATHERING:
             return
-        if self._gather is not None:
-            with self.streams.on_all_gather():
-                gathered = self._gather.wait()
-                self._keep_post_forward_piece(gathered)
-                self.storage.allocate_unsharded()
-                self.storage.copy_out(gathered)
-                ready = self.streams.record()
-            self._gather = None
-            self.streams.compute_waits(ready)
-        if self.extensions is not None:
-            with self.streams.on_all_gather():
-                self.extensions.finish(self.mesh_info.shard_world)
-                ready = self.streams.record()
-            self.streams.compute_waits(ready)
+        keep = self._secondary_shard_to_keep()
+        with self.streams.on_all_gather():
+            for gather in self.gathers:
+                gather.finish(keep)
+            ready = self.streams.record()
+        self.streams.compute_waits(ready)
         for sp in self.params:
             sp.show_unsharded()
         self.shard_state = ShardState.UNSHARDED
 
-    def _keep_post_forward_piece(self, gathered: torch.Tensor) -> None:
-        """``reshard_after_forward=k``: keep this rank's piece of a forward's gather for backward."""
-        hpz = isinstance(self.reshard_after_forward, int) and not isinstance(self.reshard_after_forward, bool)
-        forward = self.training_state is TrainingState.FORWARD and not self.running_root.in_backward
-        if hpz and self.secondary_shard is not None and forward and torch.is_grad_enabled():
-            self._post_forward_piece = self.secondary_shard.rows(gathered, self.mesh_info.shard_world)
+    def _secondary_shard_to_keep(self) -> Optional[SecondaryShardGroup]:
+        """``reshard_after_forward=k``: a grad-enabled forward's gather keeps this rank's
+        secondary shard for backward."""
+        forward = self.training_state is TrainingState.FORWARD and not self.context.in_backward
+        return self.settings.secondary_shard if forward and torch.is_grad_enabled() else None
 
     def reshard(self) -> None:
         """Show the sharded parameters again and free the gathered ones."""
         if self.shard_state is ShardState.SHARDED:
             return
         self.wait_for_unshard()
+        self._show_shards()
+
+    def _show_shards(self) -> None:
+        """The module holds the shards again; the gathered memory is freed."""
         for sp in self.params:
             sp.show_sharded()
         self.streams.all_gather_after_compute()
-        self.storage.free_unsharded()
-        if self.extensions is not None:
-            self.extensions.free()
+        for gather in self.gathers:
+            gather.free()
         self.shard_state = ShardState.SHARDED
 
     # ------------------------------------------------------------------------ forward
 
-    def pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        root = self.running_root
-        if root.in_backward and not self._runs_as_new_forward():
-            self.unshard()  # recomputed for a backward already set up (non-reentrant checkpointing)
-            return args, kwargs
-        if self.training_state is not TrainingState.FORWARD:  # the first of a list unit's modules
-            self._begin_forward(root)
-        mp = self.config.mp_policy
-        if mp.param_dtype is not None and mp.cast_forward_inputs:
-            args, kwargs = cast_floats((args, kwargs), mp.param_dtype)
-        if torch.is_grad_enabled():
-            self.awaiting_backward = True
-            self._sync_this_backward = self.requires_gradient_sync
-            watched = watch_input_gradients(self._on_input_gradients, args, kwargs)
-            self._open_forward_calls += watched
-            self._reduce_at_end = self._reduce_at_end or not watched
-        return args, kwargs
-
-    def _runs_as_new_forward(self) -> bool:
+    def runs_as_new_forward(self) -> bool:
         """A forward during backward builds a graph of its own whose backward comes next, and is
         set up as any forward, when no earlier forward's backward is pending for the unit: the
         recompute of reentrant checkpointing (``use_reentrant=True``, Megatron's full recompute),
@@ -353,74 +247,55 @@ class Unit:
         # its gradients already, so no backward of its is pending
         if self.training_state in (TrainingState.FORWARD, TrainingState.POST_BACKWARD):
             return True
-        return not self.awaiting_backward
+        return not self.backward.awaiting
 
-    def _begin_forward(self, root: Root) -> None:
-        """Enter FORWARD and gather. A model's forward also records the order units run in and
-        prefetches the next; a forward recomputed inside backward touches neither (that order
-        is the model's forward, and the unit's backward follows at once)."""
+    def begin_forward(self) -> None:
+        """Enter FORWARD: each of the unit's modules is expected to run once."""
         self.training_state = TrainingState.FORWARD
         self._modules_to_run = set(self.modules)
-        if root.in_backward:
-            self.unshard()
-            return
-        if root.unit is self:
-            root.begin_forward()
-        root.record_forward(self)
-        self.unshard(async_op=self.unshard_async_op)
-        root.prefetch_forward(self)
-        self.wait_for_unshard()
 
-    def post_forward(self, module: nn.Module, output: Any) -> Any:
-        root = self.running_root
-        if root.in_backward and self.training_state is not TrainingState.FORWARD:
-            return output  # a recompute that only refilled saved tensors
-        grad_enabled = torch.is_grad_enabled()
-        if grad_enabled:
-            register_pre_backward(self.pre_backward, output)
+    def cast_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        mp = self.settings.mp_policy
+        if mp.param_dtype is not None and mp.cast_forward_inputs:
+            return cast_floats((args, kwargs), mp.param_dtype)
+        return args, kwargs
+
+    def cast_output(self, output: Any) -> Any:
+        dtype = self.settings.mp_policy.output_dtype
+        return output if dtype is None else cast_floats(output, dtype)
+
+    def forward_done_after(self, module: nn.Module) -> bool:
+        """``module`` ran its forward: whether that ends the unit's forward (its last module)."""
         self._modules_to_run.discard(module)
-        if not self._modules_to_run and self.training_state is TrainingState.FORWARD:
-            if root.in_backward:  # its backward runs next: keep the parameters gathered for it
-                self.training_state = TrainingState.IDLE
-            else:
-                self.complete_forward(grad_enabled)
-        if self.config.mp_policy.output_dtype is not None:
-            output = cast_floats(output, self.config.mp_policy.output_dtype)
-        if root.unit is self and not root.in_backward:
-            root.end_forward(grad_enabled)
-        return output
+        return not self._modules_to_run and self.training_state is TrainingState.FORWARD
 
     def complete_forward(self, grad_enabled: bool) -> None:
         """Every module of the unit has run (or the root's forward ended): free the gathered
         parameters unless backward will want them kept."""
         self._modules_to_run = set()
-        self.running_root.record_forward_end(self)
-        if not (grad_enabled and self.reshard_after_forward is False):
+        if not (grad_enabled and self.settings.reshard_after_forward is False):
             self.reshard()
+        self.training_state = TrainingState.IDLE
+
+    def end_recomputed_forward(self) -> None:
+        """A forward recomputed in backward ended: its backward runs next, so the parameters
+        stay gathered for it."""
         self.training_state = TrainingState.IDLE
 
     # ----------------------------------------------------------------------- backward
 
-    def pre_backward(self) -> None:
-        self.running_root.begin_backward()
+    def begin_backward(self) -> bool:
+        """Backward reached the unit: gather its parameters for it. Whether it had not already."""
         if self.training_state is TrainingState.PRE_BACKWARD:
-            return
+            return False
         self.training_state = TrainingState.PRE_BACKWARD
-        if self.unshard_in_backward:
+        if self.settings.unshard_in_backward:
             self.unshard(async_op=True)
         # the next unit's all-gather starts once this one's has landed and been copied out: two
         # gathers in flight beside a copy-out would hold a third unit-sized buffer at the moment
         # backward holds the most activations; its gather still overlaps this unit's backward
         self.wait_for_unshard()
-        if self.backward_prefetch_timing is BackwardPrefetch.BACKWARD_PRE:
-            self.running_root.prefetch_backward(self)
-
-    def _on_input_gradients(self) -> None:
-        if self._open_forward_calls > 0:
-            self._open_forward_calls -= 1
-            done = self._open_forward_calls == 0 and not self._reduce_at_end
-            if done and self.training_state is TrainingState.PRE_BACKWARD:
-                self.post_backward()
+        return True
 
     @property
     def needs_post_backward(self) -> bool:
@@ -432,116 +307,90 @@ class Unit:
             return True
         if self.training_state is TrainingState.POST_BACKWARD:
             return any(sp.unsharded is not None and sp.unsharded.grad is not None for sp in self.params)
-        return self.awaiting_backward
+        return self.backward.awaiting
 
-    def post_backward(self) -> None:
-        """Send the unit's gradients (or keep them locally with sync off), then reshard."""
+    def post_backward(self) -> Optional[Callable[[], Reduction]]:
+        """The unit's backward is done: take its gradients (with sync off, keep them locally),
+        then reshard. Returns what starts sending them, for the root to call when a reduction
+        may start (``None``: nothing to send)."""
         self.training_state = TrainingState.POST_BACKWARD
         trainable = [sp for sp in self.params if sp.requires_grad]
-        sending = bool(trainable) and self._sync_this_backward
+        sending = bool(trainable) and self.backward.syncs
         grads = [sp.take_unsharded_grad(self.reduce_dtype) for sp in trainable] if sending else []
         if not sending:
             for sp in trainable:
                 sp.keep_unsynced(self.reduce_dtype)
-        if self.reshard_after_backward:  # first: the gathered parameters go before the send buffer comes
+        if self.settings.reshard_after_backward:  # first: the gathered parameters go before the send buffer comes
             self.reshard()
-        if sending:
-            self.running_root.add_reduction(lambda: self._start_reduction(trainable, grads))
-        if self.backward_prefetch_timing is BackwardPrefetch.BACKWARD_POST:
-            self.running_root.prefetch_backward(self)
-
-    def _start_reduction(self, params: list[ShardedParam], grads: list[Optional[torch.Tensor]]) -> Reduction:
-        """Pack the full ``grads`` of ``params`` (``None`` where this rank has none), scale them
-        and start reduce-scattering them, as the all-gather's mirror image. Empties ``grads``
-        once packed: the full gradients are freed before the collective runs."""
-        settings, world = self._reduce_settings(), self.mesh_info.shard_world
-        dtype, device, comm = self.reduce_dtype, self.device, settings.comm
-        self.streams.reduce_scatter_after_compute([g for g in grads if g is not None])
-        with self.streams.on_reduce_scatter(), record_function(self.labels.reduce_scatter):
-            sent, layout = pack_gradients(params, grads, world, lambda numel: new_buffer(numel, dtype, device, comm))
-            grads.clear()
-            settings.plan.scale_sent(sent)
-            group = self.reduce_scatter_group or self.mesh_info.shard_group
-            scatter = start_reduce_scatter(sent, group, world, settings.plan.scatter_op, comm)
-        reduction = Reduction(scatter, layout, settings, self.streams, self.labels.land_gradients, self._land_gradients)
-        if world == 1:
-            reduction.advance()  # nothing to wait for: start the all-reduce across replicas now
-        return reduction
-
-    def _land_gradients(self, shards: GradientShards) -> None:
-        """Add each reduced gradient shard to its parameter's sharded ``.grad``."""
-        for sp, local_grad in shards:
-            sp.add_to_sharded_grad(local_grad)
-
-    def _reduce_settings(self) -> ReduceSettings:
-        info = self.mesh_info
-        replicas = info.mesh.size(0) if info.replicate_group is not None else 1
-        plan = division_plan(
-            self.reduce_dtype, info.shard_world, replicas, self.gradient_divide_factor, self.force_sum_reduction
-        )
-        carried, self._partial_reduction = self._partial_reduction, None
-        return ReduceSettings(
-            plan,
-            replicate_group=info.replicate_group,
-            all_reduce_now=self.requires_all_reduce,
-            carried=carried,
-            keep_partial=self._keep_partial,
-            hook=self.all_reduce_hook,
-            hook_stream=(self.all_reduce_hook_stream, self.device) if self.all_reduce_hook_stream is not None else None,
-            land_unused=self.reduce_scatter_unused_params,
-            comm=self.custom_reduce_scatter,
-        )
-
-    def _keep_partial(self, scattered: torch.Tensor) -> None:
-        self._partial_reduction = scattered
+        if not sending:
+            return None
+        return lambda: self.reducer.start(trainable, grads, self.reduce_dtype, self.labels)
 
     def reset(self) -> None:
         """Back to rest after a failed forward or backward: gathered parameters freed, the
         step's gradients not yet reduced (accumulated with sync off, or awaiting a deferred
         all-reduce) dropped."""
-        if self._gather is not None:
-            self._gather.wait()
-        if self.extensions is not None:
-            self.extensions.wait()
-        self.reshard()
+        for gather in self.gathers:
+            gather.discard()  # an all-gather in flight is waited for, not copied out
+        if self.shard_state is not ShardState.SHARDED:
+            self._show_shards()
         for sp in self.params:
             sp.unsynced_grad = None
             if sp.unsharded is not None:
                 sp.unsharded.grad = None
-        self._partial_reduction = None
-        self._post_forward_piece = None
+        self.reducer.drop_partial()
         self._modules_to_run = set()
         self.training_state = TrainingState.IDLE
-        self.awaiting_backward = False
-        self._open_forward_calls = 0
-        self._reduce_at_end = False
+        self.backward.reset()
 
     def finish_step(self) -> None:
         """End of backward: every gradient has landed. An all-gather still in flight (prefetched
         for a backward that never reached the unit) is finished or freed here, not left for the
         next forward, or for the interpreter at exit, to find."""
-        if self.reshard_after_backward:
+        if self.settings.reshard_after_backward:
             self.reshard()
         else:
             self.wait_for_unshard()
-        self._post_forward_piece = None
+        for gather in self.gathers:
+            gather.discard()  # a secondary shard no backward gathered
         self.training_state = TrainingState.IDLE
-        self.awaiting_backward = False
-        self._open_forward_calls = 0
-        self._reduce_at_end = False
+        self.backward.reset()
 
     # ------------------------------------------------------------------ full parameters
 
     def gather_full_copies(self, device: Optional[torch.device] = None) -> list[torch.Tensor]:
         """Collective: fresh full copies of the parameters in the shards' own dtype."""
         self.adopt_assigned_params(shards_only=True)
-        self.storage.ensure_shards_current(where=repr(self))
-        storage = self.storage
-        info = self.mesh_info
-        plain: Iterator[torch.Tensor] = iter(())
-        if storage.params:
-            with record_function(self.labels.all_gather):
-                pending = start_all_gather(storage.sharded_flat, storage.dtype, self.device, info.shard_group, info.shard_world)
-            plain = iter(storage.full_copies(pending.wait()))
-        fulls = [cast(DTensor, sp.sharded).full_tensor() if sp.gather_extension else next(plain) for sp in self.params]
+        route = GatherRoute(self.mesh_info.shard_group, self.mesh_info.shard_world)
+        with record_function(self.labels.all_gather):
+            copies = {
+                id(sp): full for gather in self.gathers for sp, full in zip(gather.params, gather.full_copies(route, where=repr(self)))
+            }
+        fulls = [copies[id(sp)] for sp in self.params]
         return [full.to(device) for full in fulls] if device is not None else fulls
+
+
+def _gathers_for(params: list[ShardedParam], mesh_info: MeshInfo, settings: UnitSettings) -> list[ParamGather]:
+    """The plain parameters' flat buffers, then the all-gather extension's, each if any."""
+    plain = [sp for sp in params if not sp.gather_extension]
+    extended = [sp for sp in params if sp.gather_extension]
+    gathers: list[ParamGather] = []
+    if plain:
+        gathers.append(UnitStorage(
+            plain,
+            mesh_info.shard_world,
+            mesh_info.device,
+            offload_to_cpu=settings.offloads,
+            pin_memory=settings.pins_memory,
+            unsharded_dtype=settings.mp_policy.param_dtype,
+        ))
+    if extended:
+        gathers.append(ExtensionGather(extended, mesh_info.mesh, settings.mp_policy, mesh_info.device))
+    return gathers
+
+
+def _streams_for(device: torch.device) -> CommStreams:
+    """The side streams of ``device``, one pair for every unit computing there."""
+    if device not in _STREAMS:
+        _STREAMS[device] = CommStreams(device)
+    return _STREAMS[device]

@@ -1,11 +1,17 @@
 """``fully_shard``: shard a module's parameters in place (ZeRO-3), FSDP2's way.
 
-This file validates arguments and wires things up; the mechanism is in the private modules
-(``_param``: one parameter's sharded and unsharded forms; ``_flat_buffers``: a unit's flat
-buffers, and its gradients' packing; ``_collectives``: all-gather and reduce-scatter, moving
-bytes only; ``_reduction``: a gradient reduction in flight; ``_unit``: a unit's lifecycle;
-``_root``: the model-wide forward/backward duties; ``_layout`` / ``_spmd``: DTensor parameters
-(tensor parallelism, ``dp_mesh_dims``); ``_secondary_shard``: ``reshard_after_forward=k``).
+This file validates arguments and wires things up; the mechanism is in the private modules:
+
+- ``_param``: one parameter's sharded and unsharded forms;
+- ``_gather``: the protocol a unit gathers through, which ``_flat_buffers`` (plain parameters'
+  flat buffers, and the gradients' packing) and ``_extension`` (the all-gather extension)
+  implement; ``_collectives``: all-gather and reduce-scatter, moving bytes only;
+- ``_reduction``: a unit's gradient reduction, set up and in flight;
+- ``_settings``: a unit's settings and the step it shares with its model;
+- ``_unit``: a unit's lifecycle; ``_root``: the model-wide forward/backward duties;
+  ``_state``: the hooks that drive both; ``_hooks``: autograd and module-hook plumbing;
+- ``_placement``: the mesh, DTensor parameters (tensor parallelism, ``dp_mesh_dims``) and the
+  secondary shard (``reshard_after_forward=k``).
 """
 
 from __future__ import annotations
@@ -22,15 +28,17 @@ from .._common.errors import on_rank
 from ._arguments import as_our_policies, resolve_reshard_after_forward, shard_dims
 from ._collect import check_not_sharded, collect_unit_params
 from ._extension import has_gather_extension
-from ._fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method, run_pre_forward, state_of
+from ._fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from ._hooks import install_forward_hooks, install_state_dict_hooks
 from ._param import ShardedParam, ShardGeometry
 from ._placement.dtensor import layout_for, local_tensor_of
 from ._placement.mesh import MeshInfo, resolve_mesh
-from ._placement.secondary_shard import secondary_shard_for
+from ._placement.secondary_shard import secondary_shard_group, secondary_shard_world
 from ._placement.spmd import resolve_spmd_mesh, spmd_layout
 from ._registry import install_optimizer_guard, register_sharded, retire
-from ._unit import Unit, UnitConfig
+from ._settings import UnitSettings
+from ._state import UnitState, state_of
+from ._unit import Unit
 from .policies import MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
@@ -129,10 +137,8 @@ def fully_shard(
     for sp, (name, param, _) in zip(params, taken):
         sp.gather_extension = has_gather_extension(param, name, sp.geometry.dim)
     _check_tensor_parallel_params(params)
-    unit = Unit(modules, params, info, UnitConfig(mp_policy, offload_policy, reshard_after_forward))
-    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
-        _check_plain_params(params, reshard_after_forward)
-        unit.secondary_shard = secondary_shard_for(info, reshard_after_forward)
+    unit = Unit(modules, params, info, _unit_settings(info, params, mp_policy, offload_policy, reshard_after_forward))
+    state = UnitState(unit)
     unit.shard_from_full([local_tensor_of(param) for _, param, _ in taken])
     for sp, (_, original, _) in zip(params, taken):
         sp.show_sharded()
@@ -140,7 +146,7 @@ def fully_shard(
         retire(original, unit, sp)
     for m in modules:
         _move_buffers(m, info.device)
-        install_forward_hooks(m, functools.partial(run_pre_forward, unit, m), functools.partial(unit.post_forward, m))
+        install_forward_hooks(m, functools.partial(state.pre_forward, m), functools.partial(state.post_forward, m))
         install_state_dict_hooks(m, unit.reshard_at_rest, functools.partial(unit.adopt_assigned_params, shards_only=True))
         m.__class__ = _with_fsdp_methods(cast(type, type(m)))
     install_optimizer_guard()
@@ -153,9 +159,22 @@ fully_shard.state = state_of  # type: ignore[attr-defined]  # torch's fully_shar
 def _spmd_mesh(process_group: Any, mesh: Optional[DeviceMesh], dp_mesh_dims: Any, reshard_after_forward: Any) -> MeshInfo:
     if process_group is not None:
         raise ValueError(on_rank("fully_shard(dp_mesh_dims=...) takes the SPMD mesh as mesh=, not process_group="))
-    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+    if secondary_shard_world(reshard_after_forward) is not None:
         raise NotImplementedError(on_rank("fully_shard: reshard_after_forward as int is not yet supported with SPMD mesh (dp_mesh_dims)"))
     return resolve_spmd_mesh(mesh, dp_mesh_dims)
+
+
+def _unit_settings(
+    info: MeshInfo, params: list[ShardedParam], mp_policy: MixedPrecisionPolicy, offload_policy: Optional[OffloadPolicy],
+    reshard_after_forward: Union[bool, int, None],
+) -> UnitSettings:
+    """The new unit's settings. ``reshard_after_forward=k`` is ``True`` with a secondary shard
+    group of ``k`` ranks (collective: it may create that group)."""
+    world = secondary_shard_world(reshard_after_forward)
+    if world is None:
+        return UnitSettings(mp_policy, offload_policy, None if reshard_after_forward is None else bool(reshard_after_forward))
+    _check_plain_params(params, world)
+    return UnitSettings(mp_policy, offload_policy, reshard_after_forward=True, secondary_shard=secondary_shard_group(info, world))
 
 
 def _check_tensor_parallel_params(params: list[ShardedParam]) -> None:

@@ -295,7 +295,7 @@ def _shard_units(module: nn.Module, options: FSDP1Options, mesh: DeviceMesh, dev
             ignored_params=_own(sub, ignored),
         )
     for unit in units_under(module):
-        unit.backward_prefetch_timing = options.backward_prefetch
+        unit.settings.backward_prefetch_timing = options.backward_prefetch
 
 
 def _own(module: nn.Module, ignored: frozenset) -> list[nn.Parameter]:

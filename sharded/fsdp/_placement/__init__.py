@@ -4,6 +4,6 @@
 - :mod:`.spmd`: ``fully_shard(mesh=..., dp_mesh_dims=...)`` on an N-D SPMD mesh.
 - :mod:`.dtensor`: parameters that are already DTensors (tensor parallel): how their local
   tensors are sharded and put back.
-- :mod:`.secondary_shard`: ``reshard_after_forward=int`` (hpZ), the smaller group a unit keeps
-  its post-forward copy in.
+- :mod:`.secondary_shard`: ``reshard_after_forward=int``: the secondary shard a unit keeps after
+  forward, and the smaller group that gathers it in backward.
 """
