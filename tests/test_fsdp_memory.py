@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from examples.gpt import GPT
 from sharded._common import comm
-from sharded.fsdp._root import MAX_REDUCTIONS_IN_FLIGHT
+from sharded._common.in_flight import MAX_REDUCTIONS_IN_FLIGHT
 from sharded.fsdp._state import state_of
 from sharded.fsdp._unit import ShardState, TrainingState, units_under
 from tests._device import cpu_only
@@ -77,7 +77,7 @@ def _watch_reductions(units):
             assert _storage(unit).unsharded_bytes() == 0, f"{unit} still gathered as it packs its gradients"
             reduction = start(params, grads, *args)
             assert grads == [], f"{unit} kept its full gradients past packing"
-            assert all(r._scatter.sent is None for r in in_flight + [reduction]), "a send buffer outlived its copy"
+            assert all(r._scatter.sent is None for r in [*in_flight, reduction]), "a send buffer outlived its copy"
             started.append(unit)
             return reduction
 

@@ -2,7 +2,7 @@
 ``summon_full_params``, and loading full-tensor state dicts with it.
 
 A full state dict is produced by ``sharded._common.dtensors.full_model_state_dict``, the one
-producer every layer uses (re-exported here for the FSDP1 wrapper)."""
+producer every layer uses."""
 
 from __future__ import annotations
 
@@ -14,11 +14,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .._common.dtensors import full_model_state_dict
 from .._common.errors import on_rank
 from ._unit import TrainingState, Unit, units_under
 
-__all__ = ["summon_full_params", "full_model_state_dict", "load_full_model_state_dict"]
+__all__ = ["summon_full_params", "load_full_model_state_dict"]
 
 
 @contextlib.contextmanager

@@ -24,6 +24,7 @@ from torch import nn
 
 from .._common.checks import check_same_across_ranks
 from .._common.errors import on_rank
+from .._common.in_flight import MAX_REDUCTIONS_IN_FLIGHT, InFlight
 from ._extension import check_no_late_hooks
 from ._reduction import Reduction
 from ._unit import ShardState, TrainingState, Unit, unit_of, units_under
@@ -32,13 +33,6 @@ from .policies import BackwardPrefetch
 __all__ = ["Root"]
 
 logger = logging.getLogger(__name__)
-
-# Reductions allowed in flight before the oldest is waited for (before the next unit packs its
-# gradients): bounds the memory their buffers hold while still letting a reduce-scatter overlap
-# the next unit's backward. 1, as FSDP2's default input buffers: with 2, a backward that outran
-# the link held more buffers, and the peak depended on timing (+27 MiB on the 67M-parameter MLP
-# at world 3 on a loaded machine).
-MAX_REDUCTIONS_IN_FLIGHT = 1
 
 
 class Root:
@@ -53,7 +47,7 @@ class Root:
         self._after: dict[str, dict[Unit, Unit]] = {"forward": {}, "backward": {}}  # each order's next unit
         self._this_forward: dict[Unit, None] = {}
         self._ended_this_forward: dict[Unit, None] = {}
-        self._reductions: list[Reduction] = []
+        self._reductions: InFlight[Reduction] = InFlight()
 
     @classmethod
     def claim(cls, unit: Unit) -> "Root":
@@ -188,9 +182,9 @@ class Root:
         for older in self._reductions:
             if older.hybrid:  # its scatter done, start its all-reduce
                 older.advance()
-        while self._reductions and len(self._reductions) >= self._max_in_flight():
-            self._reductions.pop(0).finish()
-        self._reductions.append(start())
+        for oldest in self._reductions.beyond(self._max_in_flight() - 1):
+            oldest.finish()
+        self._reductions.add(start())
 
     def _max_in_flight(self) -> int:
         """``set_reduce_scatter_max_input_buffers``: the largest any unit asked for."""
@@ -200,9 +194,8 @@ class Root:
     def reset(self) -> None:
         """``reset_iter_state``: wait for every collective in flight (so the ranks stay in step),
         drop the gradients they carry, and return every unit to rest."""
-        for reduction in self._reductions:
+        for reduction in self._reductions.beyond(0):
             reduction.abandon()
-        self._reductions = []
         for u in self.units:
             u.reset()
         self._this_forward = {}
@@ -216,8 +209,8 @@ class Root:
                     self.post_backward(u)
             # set_is_last_backward(False) (microbatching): the newest reductions may land later
             keep = self._max_in_flight() if not self.unit.context.is_last_backward else 0
-            while len(self._reductions) > keep:
-                self._reductions.pop(0).finish()
+            for oldest in self._reductions.beyond(keep):
+                oldest.finish()
             for streams in {u.streams for u in self.units}:
                 streams.compute_after_reduce_scatter()
                 if any(u.settings.offloads for u in self.units):

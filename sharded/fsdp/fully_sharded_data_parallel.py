@@ -20,12 +20,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .._common.broadcast import plan_broadcasts, start_broadcasts
+from .._common.dtensors import full_model_state_dict
 from .._common.errors import on_rank
 from .._common.flat import DEFAULT_BUCKET_NUMEL
 from ._collect import modules_outside_units
 from ._fsdp1_options import CPUOffload, FSDP1Options, MixedPrecision, ProcessGroups, ShardingStrategy, fsdp1_options
 from ._fsdp_module import FSDPModule
-from ._full_params import full_model_state_dict, load_full_model_state_dict, summon_full_params
+from ._full_params import load_full_model_state_dict, summon_full_params
 from ._grad_norm import clip_grad_norm_
 from ._placement.mesh import MeshInfo, hybrid_mesh, mesh_from_groups, resolve_mesh
 from ._unit import units_under
