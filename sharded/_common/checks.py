@@ -15,6 +15,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from . import comm
+from .errors import on_rank
 
 __all__ = [
     "as_param_groups",
@@ -45,12 +46,10 @@ def check_optimizer_class(optim: Any) -> None:
 def as_param_groups(params: Iterable[Any], rank: int) -> list[dict[str, Any]]:
     """``params`` as a list of param-group dicts (validated as each group is added)."""
     if isinstance(params, torch.Tensor):
-        raise TypeError(
-            f"rank {rank}: params should be an iterable of tensors or dicts, got a single tensor"
-        )
+        raise TypeError(on_rank("params should be an iterable of tensors or dicts, got a single tensor", rank))
     groups = list(params)
     if not groups:
-        raise ValueError(f"rank {rank}: OSS got an empty parameter list")
+        raise ValueError(on_rank("OSS got an empty parameter list", rank))
     return groups if isinstance(groups[0], dict) else [{"params": groups}]
 
 
@@ -72,23 +71,35 @@ def check_param_list(params: Sequence[object], where: str, rank: int) -> None:
         name = f"{where}, parameter {i}"
         if not isinstance(p, torch.Tensor):
             raise TypeError(
-                f"rank {rank}: {name} is a {type(p).__name__}, not a torch.Tensor; pass "
-                "tensors (e.g. model.parameters()) or dicts of them"
+                on_rank(
+                    f"{name} is a {type(p).__name__}, not a torch.Tensor; pass "
+                    "tensors (e.g. model.parameters()) or dicts of them",
+                    rank,
+                )
             )
         if p.device.type == "meta":
             raise ValueError(
-                f"rank {rank}: {name} is on the meta device; materialize the model (e.g. "
-                "module.to_empty(device=...)) before building the optimizer"
+                on_rank(
+                    f"{name} is on the meta device; materialize the model (e.g. "
+                    "module.to_empty(device=...)) before building the optimizer",
+                    rank,
+                )
             )
         if not p.is_leaf:
             raise ValueError(
-                f"rank {rank}: {name} is not a leaf tensor; optimize the parameters "
-                "themselves, not tensors computed from them"
+                on_rank(
+                    f"{name} is not a leaf tensor; optimize the parameters "
+                    "themselves, not tensors computed from them",
+                    rank,
+                )
             )
         if id(p) in seen:
             raise ValueError(
-                f"rank {rank}: {name} is the same tensor as parameter {seen[id(p)]}; "
-                "each parameter may appear only once"
+                on_rank(
+                    f"{name} is the same tensor as parameter {seen[id(p)]}; "
+                    "each parameter may appear only once",
+                    rank,
+                )
             )
         seen[id(p)] = i
 

@@ -190,7 +190,7 @@ def _gather_by_broadcasts(
     issued in rank order on every rank (gloo runs a group's collectives in issue order)."""
     world, n = group_size(group), input.numel()
     if output.numel() != world * n:
-        raise ValueError(f"rank {dist.get_rank()}: all-gather output has {output.numel()} elements, expected {world} x {n}")
+        raise ValueError(on_rank(f"all-gather output has {output.numel()} elements, expected {world} x {n}"))
     if n == 0:
         return None
     slots = output.view(-1).split(n)
