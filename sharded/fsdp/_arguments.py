@@ -43,7 +43,7 @@ def as_our_policies(mp_policy: Any, offload_policy: Any) -> tuple[MixedPrecision
 def resolve_reshard_after_forward(value: Any, shard_world: int) -> Union[bool, int, None]:
     """``None`` / ``True`` / ``False`` as they are; an ``int`` (the world to reshard to after
     forward) as torch reads it: the shard world is ``True``, 1 is ``False``, and a divisor in
-    between stays an ``int`` (ZeRO++'s secondary shard, :mod:`._post_forward`)."""
+    between stays an ``int`` (ZeRO++'s secondary shard, :mod:`._placement.secondary_shard`)."""
     if value is None or isinstance(value, bool):
         return value
     if not isinstance(value, int):
