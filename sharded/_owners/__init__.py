@@ -5,8 +5,11 @@
 - :mod:`.optim_state`: each owner's optimizer-state shard, and the full state dict assembled from
   and split into shards.
 - :mod:`.reduce_plan`, :mod:`.reduce_pass`: the gradient buckets, each reduced to its owner, and
-  one backward's fill of them.
-- :mod:`.grad_router`: the hooks that send each gradient to its owner during backward.
+  one backward's fill and sends of them.
+- :mod:`.grad_router`: the hooks that send each gradient to its owner during backward; it
+  connects its parts: :mod:`.bucket_index` (where each gradient goes), :mod:`.learned_graph`
+  (arrivals per gradient, ``static_graph``), :mod:`.late_grads` (gradients after their bucket
+  left), :mod:`.grad_checks` (gradients no bucket can carry), :mod:`.backward_stats`.
 - :mod:`.param_waits`: hooks that wait for an updated parameter's broadcast just before use.
 - :mod:`.compile_split`: splitting a compiled graph where a reduce bucket ends.
 
