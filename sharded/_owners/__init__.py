@@ -9,7 +9,8 @@
 - :mod:`.grad_router`: the hooks that send each gradient to its owner during backward; it
   connects its parts: :mod:`.bucket_index` (where each gradient goes), :mod:`.learned_graph`
   (arrivals per gradient, ``static_graph``), :mod:`.late_grads` (gradients after their bucket
-  left), :mod:`.grad_checks` (gradients no bucket can carry), :mod:`.backward_stats`.
+  left), :mod:`.held_averages` (averages a backward adds to after their reduce, set aside and
+  given back), :mod:`.grad_checks` (gradients no bucket can carry), :mod:`.backward_stats`.
 - :mod:`.param_waits`: hooks that wait for an updated parameter's broadcast just before use.
 - :mod:`.compile_split`: splitting a compiled graph where a reduce bucket ends.
 
