@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
-from torch.utils.hooks import RemovableHandle
 
 from ._common import comm
 from ._common.checks import as_param_groups, check_optimizer_class, check_param_list, check_same_across_ranks, param_list
@@ -104,9 +103,6 @@ class OSS(Optimizer):
         self.force_broadcast_object = force_broadcast_object
         self._consolidated: Optional[dict[int, Any]] = None  # global index -> state, on recipients
         self._warned_trainability_change = False
-        # OrderedDicts: weak-referable, as RemovableHandle needs
-        self._zero_grad_post_hooks: OrderedDict[int, Callable[[OSS], None]] = OrderedDict()
-        self._before_update_hooks: OrderedDict[int, Callable[[OSS], None]] = OrderedDict()
 
         super().__init__(as_param_groups(params, self.rank), defaults)
         self._check_same_params_on_all_ranks()
@@ -120,22 +116,6 @@ class OSS(Optimizer):
         self._inner_step_takes_closure = "closure" in inspect.signature(self.optim.step).parameters
         self._install(partition)
         self._pull_hyperparams()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero (or release) every parameter's gradient, as torch's; then tell the hooks (a
-        ``ShardedDataParallel`` learns that the gradients a step left in place are gone)."""
-        super().zero_grad(set_to_none=set_to_none)
-        self._run_hooks(self._zero_grad_post_hooks)
-
-    def register_zero_grad_post_hook(self, hook: Callable[[OSS], None]) -> RemovableHandle:
-        """Call ``hook(optimizer)`` after each :meth:`zero_grad`. Returns a handle to remove it."""
-        return _add_hook(self._zero_grad_post_hooks, hook)
-
-    def register_before_update_hook(self, hook: Callable[[OSS], None]) -> RemovableHandle:
-        """Call ``hook(optimizer)`` in each :meth:`step` once the gradients are final (after the
-        closure, if one is given) and before any parameter is updated: unlike torch's step
-        pre-hooks, it sees what the closure's backward did. Returns a handle to remove it."""
-        return _add_hook(self._before_update_hooks, hook)
 
     # ------------------------------------------------------------------ partition views
 
@@ -218,36 +198,14 @@ class OSS(Optimizer):
         self.broadcaster.wait()
 
     def _step_local_shard(self, closure: Optional[Callable[[], Any]], *args: Any, **kwargs: Any) -> Any:
-        if closure is None:
-            self._run_before_update_hooks()
         if self._inner_step_takes_closure:
-            return self.optim.step(self._then_before_update_hooks(closure), *args, **kwargs)
+            return self.optim.step(closure, *args, **kwargs)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-            self._run_before_update_hooks()
         self.optim.step(*args, **kwargs)
         return loss
-
-    def _then_before_update_hooks(self, closure: Optional[Callable[[], Any]]) -> Optional[Callable[[], Any]]:
-        """``closure``, followed by the before-update hooks (the wrapped optimizer calls it)."""
-        if closure is None or not self._before_update_hooks:
-            return closure
-
-        def closure_then_hooks() -> Any:
-            loss = closure()
-            self._run_before_update_hooks()
-            return loss
-
-        return closure_then_hooks
-
-    def _run_before_update_hooks(self) -> None:
-        self._run_hooks(self._before_update_hooks)
-
-    def _run_hooks(self, hooks: OrderedDict[int, Callable[[OSS], None]]) -> None:
-        for hook in list(hooks.values()):
-            hook(self)
 
     def clip_grad_norm(
         self,
@@ -456,9 +414,3 @@ class OSS(Optimizer):
                 "refresh_trainable() after changing requires_grad to do this explicitly."
             )
             self._warned_trainability_change = True
-
-
-def _add_hook(hooks: OrderedDict[int, Callable[[OSS], None]], hook: Callable[[OSS], None]) -> RemovableHandle:
-    handle = RemovableHandle(hooks)
-    hooks[handle.id] = hook
-    return handle

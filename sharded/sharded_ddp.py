@@ -40,7 +40,11 @@ class ShardedDataParallel(nn.Module):
     is *reduced* (not all-reduced) to the one rank whose ``OSS`` optimizer owns its parameter,
     in size-bounded buckets overlapped with the rest of backward; the other ranks release it.
     After backward the owner holds the averaged gradient, ``OSS.step()`` updates the owned
-    shard and broadcasts the new values.
+    shard and broadcasts the new values. A backward run before those gradients are zeroed (a
+    second backward before the step, a loop that never zeroes, several optimizers stepping with
+    closures) adds to them as on DDP: the owner sets the old average aside, the new gradient is
+    reduced alone, and the owner adds the average back (see
+    :mod:`sharded._owners.held_averages`).
 
     Args:
         module: the model, identical on every rank.
@@ -119,15 +123,6 @@ class ShardedDataParallel(nn.Module):
         )
         if sync_models_at_startup:
             self._start_broadcast_from_rank0(list(module.parameters()) + list(module.buffers())).wait()
-        self._optimizer_hooks = [
-            handle
-            for optimizer in self.sharded_optimizers
-            for handle in (
-                optimizer.register_before_update_hook(self._before_optimizer_update),
-                optimizer.register_step_post_hook(self._on_optimizer_step),
-                optimizer.register_zero_grad_post_hook(self._on_optimizer_zero_grad),
-            )
-        ]
         self._router = self._build_router()
         self._trainability = self._current_trainability()
         self._param_waits = ParamWaits(module, [o.broadcaster for o in self.sharded_optimizers]) if overlap_param_broadcast else None
@@ -266,7 +261,6 @@ class ShardedDataParallel(nn.Module):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero (or release) the gradients of the wrapped module's parameters."""
         self.module.zero_grad(set_to_none=set_to_none)
-        self._router.after_zero_grad()
 
     def refresh_trainable(self) -> None:
         """Re-partition and rebuild buckets and hooks after ``requires_grad`` changed. Collective.
@@ -277,7 +271,7 @@ class ShardedDataParallel(nn.Module):
             optimizer.refresh_trainable()
         self._router.remove_hooks()
         old, self._router = self._router, self._build_router()
-        self._router.carry_tracking_from(old)
+        self._router.carry_held_from(old)
         self._trainability = self._current_trainability()
 
     def remove_hooks(self) -> None:
@@ -288,9 +282,6 @@ class ShardedDataParallel(nn.Module):
         ``fit``) would keep reducing gradients for no one. Call it when done with the wrapper.
         """
         self._router.remove_hooks()
-        for handle in self._optimizer_hooks:
-            handle.remove()
-        self._optimizer_hooks = []
         if self._param_waits is not None:
             self._param_waits.remove()
             self._param_waits = None
@@ -336,7 +327,6 @@ class ShardedDataParallel(nn.Module):
             self.reduce_fp16,
             names={p: n for n, p in self.module.named_parameters()},
             static_graph=self.static_graph,
-            optimizer_keys=[id(optimizer) for optimizer in self.sharded_optimizers],
         )
 
     def _trainable_params_covered_by_optimizers(self) -> list[torch.Tensor]:
@@ -373,15 +363,6 @@ class ShardedDataParallel(nn.Module):
                 "and rebuilding buckets (silence with warn_on_trainable_params_changed=False)"
             )
             self._warned_trainability_change = True
-
-    def _before_optimizer_update(self, optimizer: OSS) -> None:
-        self._router.before_step(optimizer.partition.params)
-
-    def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._router.mark_grads_consumed()
-
-    def _on_optimizer_zero_grad(self, optimizer: OSS) -> None:
-        self._router.after_zero_grad(id(optimizer), optimizer.partition.params)
 
     def _start_broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> PendingBroadcasts:
         return start_broadcasts(plan_broadcasts([tensors], self.reduce_buffer_size), self.process_group)

@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
-import sharded._owners.grad_router
+import sharded._common.in_flight
 from sharded._owners.reduce_plan import FIRST_BUCKET_BYTES
 from sharded import OSS, ShardedDataParallel
 from tests._harness import assert_same_on_all_ranks, run_on_ranks
@@ -341,7 +341,7 @@ def _check_reduce_buffers_are_bounded_when_the_link_lags(rank, world):
     per_backward = len(sent) // 3
     # No send ever confirmed itself, yet when a bucket left at most MAX_SENDS_IN_FLIGHT earlier
     # ones were still held beside it (without the bound: every one of the backward's).
-    bound = sharded._owners.grad_router.MAX_SENDS_IN_FLIGHT + 1
+    bound = sharded._common.in_flight.MAX_SENDS_IN_FLIGHT + 1
     assert world == 1 or most_unwaited <= bound < per_backward, (most_unwaited, per_backward)
 
 

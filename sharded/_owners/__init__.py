@@ -5,8 +5,12 @@
 - :mod:`.optim_state`: each owner's optimizer-state shard, and the full state dict assembled from
   and split into shards.
 - :mod:`.reduce_plan`, :mod:`.reduce_pass`: the gradient buckets, each reduced to its owner, and
-  one backward's fill of them.
-- :mod:`.grad_router`: the hooks that send each gradient to its owner during backward.
+  one backward's fill and sends of them.
+- :mod:`.grad_router`: the hooks that send each gradient to its owner during backward; it
+  connects its parts: :mod:`.bucket_index` (where each gradient goes), :mod:`.learned_graph`
+  (arrivals per gradient, ``static_graph``), :mod:`.late_grads` (gradients after their bucket
+  left), :mod:`.held_averages` (averages a backward adds to after their reduce, set aside and
+  given back), :mod:`.grad_checks` (gradients no bucket can carry), :mod:`.backward_stats`.
 - :mod:`.broadcaster`: after a step, the owners' broadcasts of the updated parameters (their
   buckets, the parameters living in them, and the waits).
 - :mod:`.param_waits`: hooks that wait for an updated parameter's broadcast just before use.

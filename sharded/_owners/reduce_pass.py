@@ -1,21 +1,25 @@
-"""One backward's reduction in progress: the bucket buffers being filled, and the bookkeeping of
-which gradients arrived, how often, and which came too late for their bucket.
+"""One backward's reduction in progress: the bucket buffers being filled, the reduces in flight,
+and the bookkeeping of which gradients arrived and how often.
 
-Plain state with no communication; :class:`sharded._owners.grad_router.GradRouter` drives it.
+:class:`sharded._owners.grad_router.GradRouter` drives it; a new :class:`Pass` starts with every
+synced backward (or explicit reduce).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Callable, Optional, Sequence, cast
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from .._common import comm
+from .._common.in_flight import MAX_SENDS_IN_FLIGHT
 from .reduce_plan import ReduceBucket
 
-__all__ = ["Fill", "Pass"]
+__all__ = ["Fill", "Pass", "Sent"]
 
 
 class Fill:
@@ -36,6 +40,10 @@ class Fill:
         p, offset = self.bucket.params[slot], self.bucket.offsets[slot]
         return self.buffer[offset : offset + p.numel()].view(p.shape)
 
+    def empty_slots(self) -> list[int]:
+        """Slots no gradient was written to yet."""
+        return [slot for slot, written in enumerate(self.written) if not written]
+
     def add(self, slot: int, grad: torch.Tensor, scale: float) -> None:
         """Write (first time) or add ``grad * scale`` into the slot."""
         view = self.grad_view(slot)
@@ -46,34 +54,14 @@ class Fill:
             self.written[slot] = True
             self.num_written += 1
 
-    def seal(
-        self,
-        scale: float,
-        take_held_grads: bool = True,
-        check: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None,
-    ) -> None:
-        """Ready the buffer to send: slots with nothing are zeroed and the used flags written.
-
-        With ``take_held_grads``, gradients the parameters hold but never announced (kept from
-        ``no_sync`` steps, set by hand, or zeros left by ``zero_grad(set_to_none=False)``) are
-        taken in first, each passed to ``check`` (which may raise) before any is taken.
-        """
+    def seal(self) -> None:
+        """Ready the buffer to send: slots with nothing are zeroed and the used flags written."""
         used = self.buffer[self.bucket.numel :]
         if self.num_written == len(self.written):  # every parameter arrived: the common case
             used.fill_(1)
             return
-        empty = [slot for slot, written in enumerate(self.written) if not written]
-        params = self.bucket.params
-        held = [slot for slot in empty if params[slot].grad is not None] if take_held_grads else []
-        if check is not None:
-            for slot in held:
-                check(params[slot], cast(torch.Tensor, params[slot].grad))
-        for slot in held:
-            self.add(slot, cast(torch.Tensor, params[slot].grad), scale)
-            params[slot].grad = None
-        for slot in empty:
-            if not self.written[slot]:
-                self.grad_view(slot).zero_()
+        for slot in self.empty_slots():
+            self.grad_view(slot).zero_()
         flags = torch.tensor(self.written, dtype=self.bucket.wire_dtype)
         used.copy_(flags, non_blocking=True)
 
@@ -97,27 +85,82 @@ class Fill:
         return handed
 
 
-class Pass:
-    """Bookkeeping of one synced backward (or one explicit reduce)."""
+@dataclass
+class Sent:
+    """A bucket's reduce in flight; a correction adds to the owner's first result."""
 
-    def __init__(self, num_params: int, waiting: Sequence[int], is_backward: bool = True) -> None:
+    fill: Fill
+    work: dist.Work
+    is_correction: bool
+
+
+class Pass:
+    """Bookkeeping of one synced backward (or one explicit reduce) on this rank."""
+
+    def __init__(self, num_params: int, waiting: Sequence[int], rank: int, is_backward: bool = True) -> None:
         self.started_at = self.flushed_at = time.perf_counter()
         self.first_launch_at: Optional[float] = None
+        self.rank = rank
         self.fills: list[Optional[Fill]] = [None] * len(waiting)
         self.waiting = list(waiting)  # per bucket: parameters whose expected count is not reached
         self.arrivals = [0] * num_params
         self.completed_at = [0] * num_params  # when each last arrived: the observed order
         self.clock = 0
         self.next_launch = 0
-        self.in_flight: deque[tuple[Fill, dist.Work, bool]] = deque()
+        self.in_flight: deque[Sent] = deque()
         self.partial: set[int] = set()  # arrived, but fewer times than expected so far
-        self.late: dict[int, torch.Tensor] = {}  # arrived after the bucket left: scaled gradients
         self.launch_clocks: list[int] = []  # arrivals seen when each bucket left from a hook, in plan order
         self.late_reduces = 0
         self.is_backward = is_backward  # False: an explicit reduce(), which no hook started
         self.held_bytes = 0
         self.peak_bytes = 0
 
+    def arrive(self, index: int) -> int:
+        """Count one arrival of parameter ``index``'s gradient; return its arrivals so far."""
+        self.arrivals[index] += 1
+        self.clock += 1
+        self.completed_at[index] = self.clock
+        return self.arrivals[index]
+
     def hold(self, nbytes: int) -> None:
         self.held_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+
+    def send(self, fill: Fill, group: comm.ProcessGroup, is_correction: bool = False) -> None:
+        """Start reducing ``fill`` to its owner."""
+        with torch.profiler.record_function("sharded::reduce_bucket"):
+            work = comm.start_reduce(fill.buffer, fill.bucket.owner, group)
+        self.in_flight.append(Sent(fill, work, is_correction))
+
+    def release_sent(self) -> None:
+        """Free the buffers of buckets this rank has finished sending to another owner, and wait
+        for the older ones so that at most ``MAX_SENDS_IN_FLIGHT`` are held: the next bucket
+        fills beside them, so a rank holds at most that many plus one buckets of other owners'
+        gradients however far the communication lags behind the backward.
+
+        Owned buckets wait for the flush: reading their 'used' flags would make an accelerator
+        synchronise in the middle of backward.
+        """
+        sending = sum(1 for sent in self.in_flight if sent.fill.bucket.owner != self.rank)
+        still_in_flight: deque[Sent] = deque()
+        for sent in self.in_flight:
+            if sent.fill.bucket.owner != self.rank and (sending > MAX_SENDS_IN_FLIGHT or sent.work.is_completed()):
+                self._wait(sent)
+                sending -= 1
+            else:
+                still_in_flight.append(sent)
+        self.in_flight = still_in_flight
+
+    def wait_all(self) -> Iterator[Sent]:
+        """Wait for every reduce in flight, oldest first; yield those whose results this rank owns."""
+        while self.in_flight:
+            sent = self.in_flight.popleft()
+            self._wait(sent)
+            if sent.fill.bucket.owner == self.rank:
+                yield sent
+
+    def _wait(self, sent: Sent) -> None:
+        with torch.profiler.record_function("sharded::wait_reduce"):
+            sent.work.wait()
+        if sent.fill.bucket.owner != self.rank:
+            self.held_bytes -= sent.fill.nbytes
