@@ -19,6 +19,7 @@ from torch.optim import Optimizer
 
 from ._common import comm
 from ._common.checks import as_param_groups, check_optimizer_class, check_param_list, check_same_across_ranks, param_list
+from ._common.errors import on_rank
 from ._common.flat import DEFAULT_BUCKET_NUMEL
 from ._common.norm import clip_by_global_norm
 from ._common.optimizers import hyperparams
@@ -319,7 +320,10 @@ class OSS(Optimizer):
         """
         if not -1 <= recipient_rank < self.world_size:
             raise ValueError(
-                f"rank {self.rank}: recipient_rank {recipient_rank} is outside 0..{self.world_size - 1} (or -1)"
+                on_rank(
+                    f"recipient_rank {recipient_rank} is outside 0..{self.world_size - 1} (or -1)",
+                    self.rank,
+                )
             )
         mine = snapshot_shard(self.optim.state, self._partition)
         recipients = range(self.world_size) if recipient_rank == -1 else [recipient_rank]
@@ -343,9 +347,12 @@ class OSS(Optimizer):
             self.consolidate_state_dict(recipient_rank=-1)
         if self._consolidated is None:
             raise RuntimeError(
-                f"rank {self.rank}: no consolidated optimizer state on this rank since the last "
-                f"step; call consolidate_state_dict(recipient_rank={self.rank}) on all ranks "
-                "first, or state_dict(all_ranks=True)"
+                on_rank(
+                    "no consolidated optimizer state on this rank since the last "
+                    f"step; call consolidate_state_dict(recipient_rank={self.rank}) on all ranks "
+                    "first, or state_dict(all_ranks=True)",
+                    self.rank,
+                )
             )
         states = {index: dict(state) for index, state in self._consolidated.items()}
         return consolidated_state_dict(states, self.param_groups)
@@ -395,8 +402,11 @@ class OSS(Optimizer):
         for i, p in enumerate(params):
             if p in group_of:
                 raise ValueError(
-                    f"rank {self.rank}: {where}, parameter {i} (shape {tuple(p.shape)}) is "
-                    f"already in param group {group_of[p]}; a parameter may be in one group only"
+                    on_rank(
+                        f"{where}, parameter {i} (shape {tuple(p.shape)}) is "
+                        f"already in param group {group_of[p]}; a parameter may be in one group only",
+                        self.rank,
+                    )
                 )
 
     def _check_same_params_on_all_ranks(self) -> None:

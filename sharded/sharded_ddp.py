@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_leaves
 from ._common import comm
 from ._common.broadcast import PendingBroadcasts, plan_broadcasts, start_broadcasts
 from ._common.checks import check_same_across_ranks
+from ._common.errors import on_rank
 from ._common.flat import DEFAULT_BUCKET_NUMEL
 from ._common.norm import clip_by_global_norm
 from ._owners.compile_split import graph_splitter, split_bytes_for
@@ -334,16 +335,22 @@ class ShardedDataParallel(nn.Module):
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError(
-                f"rank {self.rank}: the module has no trainable parameters; "
-                "ShardedDataParallel has nothing to reduce"
+                on_rank(
+                    "the module has no trainable parameters; "
+                    "ShardedDataParallel has nothing to reduce",
+                    self.rank,
+                )
             )
         held = {p for optimizer in self.sharded_optimizers for p in optimizer.partition.params}
         missing = [n for n, p in named if p not in held]
         if missing:
             raise ValueError(
-                f"rank {self.rank}: {len(missing)} trainable parameter(s) are in no sharded "
-                f"optimizer: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}. Pass "
-                "every trainable parameter to an OSS optimizer, or freeze it"
+                on_rank(
+                    f"{len(missing)} trainable parameter(s) are in no sharded "
+                    f"optimizer: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}. Pass "
+                    "every trainable parameter to an OSS optimizer, or freeze it",
+                    self.rank,
+                )
             )
         return [p for _, p in named]
 
@@ -383,9 +390,12 @@ def _check_no_sparse_gradients(module: nn.Module, rank: int) -> None:
     for name, sub in module.named_modules():
         if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse:
             raise ValueError(
-                f"rank {rank}: module {name or type(module).__name__} ({type(sub).__name__}) has "
-                "sparse=True; ShardedDataParallel reduces dense gradients only. Build it with "
-                "sparse=False, or use DistributedDataParallel, which reduces sparse gradients"
+                on_rank(
+                    f"module {name or type(module).__name__} ({type(sub).__name__}) has "
+                    "sparse=True; ShardedDataParallel reduces dense gradients only. Build it with "
+                    "sparse=False, or use DistributedDataParallel, which reduces sparse gradients",
+                    rank,
+                )
             )
 
 

@@ -9,6 +9,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from .._common.errors import on_rank
+
 __all__ = ["GradChecks"]
 
 
@@ -53,14 +55,20 @@ class GradChecks:
         """Raise if ``grad`` (parameter ``index``'s) cannot be reduced."""
         if grad.is_sparse:
             raise RuntimeError(
-                f"rank {self._rank}: parameter {self._name_of(index)} got a sparse gradient; "
-                "ShardedDataParallel reduces dense gradients only. Use sparse=False on the "
-                "embedding, or DistributedDataParallel for sparse gradients"
+                on_rank(
+                    f"parameter {self._name_of(index)} got a sparse gradient; "
+                    "ShardedDataParallel reduces dense gradients only. Use sparse=False on the "
+                    "embedding, or DistributedDataParallel for sparse gradients",
+                    self._rank,
+                )
             )
         if grad.requires_grad:
             raise RuntimeError(
-                f"rank {self._rank}: the gradient of parameter {self._name_of(index)} requires grad "
-                "(backward with create_graph=True): ShardedDataParallel cannot reduce a "
-                "gradient that carries a graph. Use torch.autograd.grad for higher-order "
-                "terms, or DistributedDataParallel"
+                on_rank(
+                    f"the gradient of parameter {self._name_of(index)} requires grad "
+                    "(backward with create_graph=True): ShardedDataParallel cannot reduce a "
+                    "gradient that carries a graph. Use torch.autograd.grad for higher-order "
+                    "terms, or DistributedDataParallel",
+                    self._rank,
+                )
             )

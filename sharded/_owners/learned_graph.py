@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .._common import comm
+from .._common.errors import on_rank
 
 __all__ = ["GraphState", "LearnedGraph"]
 
@@ -106,8 +107,11 @@ class LearnedGraph:
 
     def _raise_changed(self, index: int, what: str) -> NoReturn:
         raise RuntimeError(
-            f"rank {self._rank}: the gradient of parameter {self._name_of(index)} {what}: "
-            "the backward produced other gradients than the first one did. static_graph=True "
-            "assumes the same gradients every iteration; construct ShardedDataParallel without it "
-            "for a graph that changes"
+            on_rank(
+                f"the gradient of parameter {self._name_of(index)} {what}: "
+                "the backward produced other gradients than the first one did. static_graph=True "
+                "assumes the same gradients every iteration; construct ShardedDataParallel without it "
+                "for a graph that changes",
+                self._rank,
+            )
         )
