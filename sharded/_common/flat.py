@@ -6,6 +6,7 @@ move one large contiguous buffer instead of many small ones.
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from typing import Iterable, Sequence
 
@@ -19,6 +20,10 @@ __all__ = [
     "unflatten_into",
     "move_into_flat",
     "lives_in",
+    "is_view_of",
+    "offsets_of",
+    "used_flags",
+    "used_anywhere",
     "wire_dtype_for",
 ]
 
@@ -82,13 +87,41 @@ def move_into_flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def lives_in(tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> bool:
-    """Whether ``tensors`` are, in order, the consecutive pieces of ``flat``."""
-    position = flat.data_ptr()
-    for t in tensors:
-        if t.dtype != flat.dtype or t.device != flat.device or t.data_ptr() != position or not t.is_contiguous():
-            return False
-        position += t.numel() * t.element_size()
-    return True
+    """Whether ``tensors`` are, in order, the consecutive pieces of ``flat`` (``module.to()`` or
+    ``p.data = ...`` move them out)."""
+    numels = [t.numel() for t in tensors]
+    if sum(numels) > flat.numel():
+        return False
+    pieces = flat[: sum(numels)].split(numels)
+    return all(t.is_contiguous() and is_view_of(t, piece) for t, piece in zip(tensors, pieces))
+
+
+def is_view_of(t: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Whether ``t`` is the memory ``expected`` views: same dtype and device, same storage, same
+    start (an empty tensor only needs the storage)."""
+    if t.dtype != expected.dtype or t.device != expected.device or t.is_meta:
+        return False
+    if t.untyped_storage().data_ptr() != expected.untyped_storage().data_ptr():
+        return False
+    return t.numel() == 0 or t.data_ptr() == expected.data_ptr()
+
+
+def offsets_of(sizes: Sequence[int]) -> list[int]:
+    """Where each of consecutive pieces of ``sizes`` elements starts in a flat buffer."""
+    return list(itertools.accumulate(sizes[:-1], initial=0)) if sizes else []
+
+
+def used_flags(had: Sequence[bool], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One "used" flag per tensor of a reduce buffer, 1 where this rank has the tensor: after the
+    ranks' flags are summed or averaged, a flag is positive exactly where some rank had it, so the
+    owner of the result tells a zero gradient from none (layers 2 and 3 append these to the data)."""
+    return torch.tensor(list(had), dtype=dtype).to(device, non_blocking=True)
+
+
+def used_anywhere(reduced_flags: torch.Tensor) -> list[bool]:
+    """The reduced "used" flags of :func:`used_flags`: which tensors some rank had. Reading them
+    is a host sync on an accelerator."""
+    return [flag > 0 for flag in reduced_flags.tolist()]
 
 
 def wire_dtype_for(dtype: torch.dtype, wire_dtype: torch.dtype | None) -> torch.dtype:

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .._common import comm
+from .._common.flat import used_anywhere, used_flags
 from .._common.in_flight import MAX_SENDS_IN_FLIGHT
 from .reduce_plan import ReduceBucket
 
@@ -62,8 +63,7 @@ class Fill:
             return
         for slot in self.empty_slots():
             self.grad_view(slot).zero_()
-        flags = torch.tensor(self.written, dtype=self.bucket.wire_dtype)
-        used.copy_(flags, non_blocking=True)
+        used.copy_(used_flags(self.written, used.dtype, used.device))
 
     def hand_out(self, add_to_existing: bool, used: Optional[Sequence[float]] = None) -> list[int]:
         """On the owner: make each used slot its parameter's gradient (or add it to the one there).
@@ -73,7 +73,7 @@ class Fill:
         reduced flags, whose read is a host sync on an accelerator.
         """
         if used is None:
-            used = self.buffer[self.bucket.numel :].tolist()
+            used = used_anywhere(self.buffer[self.bucket.numel :])
         handed = [slot for slot in range(len(self.bucket.params)) if used[slot] > 0]
         for slot in handed:
             p = self.bucket.params[slot]

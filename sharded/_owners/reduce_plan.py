@@ -11,7 +11,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from .._common.flat import plan_buckets, wire_dtype_for
+from .._common.flat import offsets_of, plan_buckets, wire_dtype_for
 
 __all__ = ["FIRST_BUCKET_BYTES", "ReduceBucket", "plan_reduce_buckets"]
 
@@ -92,9 +92,6 @@ def _windows(params: list[torch.Tensor], max_numel: int, first_bytes: int) -> li
 
 
 def _bucket(owner: int, params: Sequence[torch.Tensor], reduce_fp16: bool) -> ReduceBucket:
-    offsets, total = [], 0
-    for p in params:
-        offsets.append(total)
-        total += p.numel()
+    numels = [p.numel() for p in params]
     wire = wire_dtype_for(params[0].dtype, torch.float16 if reduce_fp16 else None)
-    return ReduceBucket(owner, tuple(params), tuple(offsets), total, wire)
+    return ReduceBucket(owner, tuple(params), tuple(offsets_of(numels)), sum(numels), wire)

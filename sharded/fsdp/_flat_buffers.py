@@ -32,14 +32,13 @@ this rank received back as one gradient shard per parameter.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
 
-from .._common.flat import column_blocks
+from .._common.flat import column_blocks, is_view_of, offsets_of, used_anywhere, used_flags
 from ._collectives import PendingGather, start_all_gather
 from ._gather import GatherRoute
 from ._param import ShardedParam
@@ -101,7 +100,7 @@ class UnitStorage:
         """Repack if a parameter's local tensor is no longer a view of its slot (``to_empty``,
         ``module.to(...)`` or a replaced parameter gave it new storage)."""
         locals_ = [sp.local_shard() for sp in self.params]
-        if all(_is_view(local, sp.real_rows(slot)) for sp, local, slot in zip(self.params, locals_, self._slots(self.sharded_flat))):
+        if all(is_view_of(local, sp.real_rows(slot)) for sp, local, slot in zip(self.params, locals_, self._slots(self.sharded_flat))):
             return
         self._check_materialised(locals_, where)
         dtypes = {local.dtype for local in locals_}
@@ -238,7 +237,7 @@ class UnitStorage:
         return [b if sp.geometry.dim == 0 else b.view(self.world, *sp.geometry.slot_shape) for sp, b in zip(self.params, blocks)]
 
     def _offsets(self, scale: int) -> list[int]:
-        return [scale * offset for offset in itertools.accumulate([0] + self.widths[:-1])]
+        return [scale * offset for offset in offsets_of(self.widths)]
 
 
 @dataclass(frozen=True)
@@ -262,7 +261,7 @@ class GradientLayout:
         so they are read only when this rank lacked a gradient (else the answer is yes)."""
         if all(self.had_grad):
             return self.had_grad
-        return [flag > 0 for flag in received[-len(self.params) :].tolist()]
+        return used_anywhere(received[-len(self.params) :])
 
 
 def pack_gradients(
@@ -281,7 +280,7 @@ def pack_gradients(
     for sp, grad, block in zip(params, grads, blocks):
         _spread_rows(sp, grad, block, copies)
     had_grad = [g is not None for g in grads]
-    flags = torch.tensor(had_grad, dtype=sent.dtype).to(sent.device, non_blocking=True)
+    flags = used_flags(had_grad, sent.dtype, sent.device)
     copies.copy(blocks[-1], flags.view(1, -1).expand(world, -1))
     copies.run()
     return sent, GradientLayout(list(params), widths, had_grad)
@@ -343,12 +342,3 @@ def _spread_rows(sp: ShardedParam, grad: Optional[torch.Tensor], block: torch.Te
         full_ranks += 1
     if full_ranks < world:
         copies.zero(rows[full_ranks:])
-
-
-def _is_view(local: torch.Tensor, expected: torch.Tensor) -> bool:
-    same_place = local.dtype == expected.dtype and local.device == expected.device and not local.is_meta
-    if not same_place:
-        return False
-    if local.untyped_storage().data_ptr() != expected.untyped_storage().data_ptr():
-        return False
-    return local.numel() == 0 or local.data_ptr() == expected.data_ptr()
