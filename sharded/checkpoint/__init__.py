@@ -27,6 +27,12 @@ Layer 3 (``fully_shard``, ``FullyShardedDataParallel``, or torch's own ``fully_s
 through the same functions with a plain torch optimizer over the DTensor parameters: DTensors are
 saved shard by shard (each rank writes only its own) and loaded into staging DTensors laid out
 like the model's.
+
+Modules: ``_state_dict`` (the sharded and full forms of a model's and its optimizers' state),
+``_names`` (FQNs, and optimizer state between torch's numbered form and FQN keys), ``_save``
+(atomic publish), ``_load`` (validated first, then all or nothing), ``_storage`` (the allow-listed,
+verifying reader: the only place a checkpoint is read), ``_fit_checks`` (does it fit: the errors),
+``_peers`` (a lost rank), ``_ranks``, ``_paths``, ``_placeholders``.
 """
 
 from __future__ import annotations

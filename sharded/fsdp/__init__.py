@@ -4,6 +4,23 @@
 FSDP1/fairscale-shaped wrapper built on it; ``sharded.fsdp.wrap`` holds the auto-wrap policies.
 Names are imported on first use: the mechanism needs DTensor, which is slow to import, and
 ``import sharded`` should stay fast.
+
+Modules, FSDP2's split of API / state / param / group / collectives:
+
+- ``api.py`` (``fully_shard``, thin: checks and wiring), ``_arguments`` (its arguments in torch's
+  spellings), ``_collect`` (which parameters a new unit takes), ``_registry`` (what was taken);
+  ``fully_sharded_data_parallel.py`` (the FSDP1 wrapper) with ``_fsdp1_options`` (its three argument
+  dialects as one options object); ``policies.py``, ``wrap.py``; ``_torch_route`` (torch's
+  ``fully_shard`` routed to ours).
+- ``_param`` (one parameter's sharded and unsharded forms), ``_flat_buffers`` (a unit's flat storage
+  and its gradients' packing) and ``_extension`` (the all-gather extension point), both implementing
+  ``_gather``'s one gather protocol; ``_collectives`` (bytes only), ``_reduce_ops`` and ``_reduction``
+  (how a reduction divides; one in flight and its set-up), ``_streams``.
+- ``_settings`` (a unit's settings), ``_unit`` (a unit's lifecycle), ``_hooks`` (autograd plumbing,
+  the backward tracker), ``_state`` (drives a unit from its module's hooks and reaches the root),
+  ``_root`` (model-wide duties: order, prefetch, end of backward), ``_fsdp_module`` (``FSDPModule``'s
+  methods), ``_full_params``, ``_grad_norm``.
+- ``_placement/``: the mesh a unit shards over and the DTensor layout of its shards.
 """
 
 from __future__ import annotations

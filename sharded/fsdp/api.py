@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .._common.dtensors import local_tensor_of
 from .._common.errors import on_rank
 from ._arguments import as_our_policies, resolve_reshard_after_forward, shard_dims
 from ._collect import check_not_sharded, collect_unit_params
@@ -31,7 +32,7 @@ from ._extension import has_gather_extension
 from ._fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from ._hooks import install_forward_hooks, install_state_dict_hooks
 from ._param import ShardedParam, ShardGeometry
-from ._placement.dtensor import layout_for, local_tensor_of
+from ._placement.dtensor import layout_for
 from ._placement.mesh import MeshInfo, resolve_mesh
 from ._placement.secondary_shard import secondary_shard_group, secondary_shard_world
 from ._placement.spmd import resolve_spmd_mesh, spmd_layout

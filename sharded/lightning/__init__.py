@@ -18,6 +18,10 @@ Stages and layers: a strategy's ``stage`` is the ZeRO stage it trains with, and 
 the same number runs it: stage 1 is layer 1 (``OSS``, the model in DDP), stage 2 is layer 2
 (``OSS`` + ``ShardedDataParallel``), stage 3 is layer 3 (``FullyShardedDataParallel``, the
 ``ShardedFSDPStrategy``). "Layer" names those parts of sharded, never a model's modules.
+
+Modules: ``ddp.py``, ``fsdp.py`` (the Trainer's strategies), ``fabric.py``, ``fabric_fsdp.py``
+(Fabric's), ``precision.py`` (precision plugins); what they do to the model, optimizers and
+checkpoints lives in ``_sharding``, ``_fsdp_setup`` and ``_fsdp_checkpoint``, which import no Lightning.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..._common.errors import on_rank
 
-__all__ = ["DTensorLayout", "layout_for", "local_tensor_of", "contiguous_stride"]
+__all__ = ["DTensorLayout", "layout_for", "contiguous_stride"]
 
 
 @dataclass(frozen=True)
@@ -62,11 +62,6 @@ class DTensorLayout:
         if tuple(grad.placements) != target:
             grad = grad.redistribute(placements=target)
         return grad.to_local()
-
-
-def local_tensor_of(param: torch.Tensor) -> torch.Tensor:
-    """What gets sharded: a DTensor's local tensor, a plain tensor itself."""
-    return param.to_local() if isinstance(param, DTensor) else param
 
 
 def layout_for(param: torch.Tensor, name: str, dp_mesh: DeviceMesh) -> Optional[DTensorLayout]:
