@@ -127,7 +127,10 @@ def mark_unfilled(tensor: torch.Tensor) -> None:
 
 
 def is_unfilled(value: Any) -> bool:
-    """Whether ``value`` is a placeholder that nothing wrote into since it was marked."""
+    """Whether ``value`` is a placeholder that nothing wrote into since it was marked. One
+    holding nothing on this rank (a DTensor whose shard here has no rows: a parameter of fewer
+    rows than ranks) has nothing to fill, and no loader writes into it."""
     created = getattr(value, _VERSION_AT_CREATION, None)
-    return created is not None and local_tensor_of(value)._version == created
+    local = local_tensor_of(value)
+    return created is not None and local._version == created and local.numel() > 0
 
