@@ -2,6 +2,11 @@
 importing DTensor, which is slow to import and cannot be in play before something else imported
 it; and the one producer of a model's full state dict built on that.
 
+A DTensor normally has a piece on every rank of its mesh. One on a mesh of fewer ranks that hold
+it whole (layer 3's owner placement, ``sharded.fsdp.Owned``) is gathered differently: its holders
+registered their mesh here (:func:`register_whole_on`) with the group of ranks that share the
+tensor, and the holder in that group broadcasts it to the others.
+
 A full state dict is ``module.state_dict()`` with every DTensor gathered whole. The FSDP1
 wrapper's ``state_dict()``, ``sharded.checkpoint.get_state_dict(full=True)`` and Lightning's full
 checkpoints all take it from :func:`full_model_state_dict`; for a model of plain tensors (DDP,
@@ -12,14 +17,22 @@ from __future__ import annotations
 
 import copy
 import sys
-from typing import Any, cast
+from typing import Any, Optional, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from . import comm
 from .errors import process_rank
 
-__all__ = ["full_copy", "full_model_state_dict", "full_tensor_of", "is_dtensor", "local_tensor_of"]
+__all__ = [
+    "full_copy", "full_model_state_dict", "full_tensor_of", "held_here", "is_dtensor", "local_tensor_of", "register_whole_on",
+    "whole_on_group",
+]
+
+# id(mesh) -> (the mesh, the group of ranks that share the DTensors held whole on it)
+_whole_on: dict[int, tuple[Any, comm.ProcessGroup]] = {}
 
 
 def is_dtensor(value: Any) -> bool:
@@ -34,16 +47,53 @@ def local_tensor_of(tensor: torch.Tensor) -> torch.Tensor:
     return cast(torch.Tensor, tensor.to_local()) if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
 
 
+def register_whole_on(mesh: Any, group: comm.ProcessGroup) -> None:
+    """DTensors on ``mesh`` are held whole by its ranks, and shared by the ranks of ``group``
+    (which holds one of them): :func:`full_tensor_of` broadcasts them over ``group``."""
+    _whole_on[id(mesh)] = (mesh, group)
+
+
+def whole_on_group(value: Any) -> Optional[comm.ProcessGroup]:
+    """For a DTensor held whole by the ranks of its mesh (:func:`register_whole_on`), the group
+    that shares it; ``None`` for anything else."""
+    if not is_dtensor(value):
+        return None
+    entry = _whole_on.get(id(value.device_mesh))
+    return entry[1] if entry is not None and entry[0] is value.device_mesh else None
+
+
+def held_here(value: Any) -> bool:
+    """Whether this rank holds (a piece of) ``value``: false only for a DTensor on a mesh this
+    rank is not part of, such as an owner-placed parameter on another rank."""
+    return not is_dtensor(value) or value.device_mesh.get_coordinate() is not None
+
+
 def full_tensor_of(value: Any) -> Any:
     """``value`` whole: a DTensor gathered from the ranks holding its pieces (collective: every
-    rank of its mesh calls it), anything else as it is. A DTensor offloaded to the CPU over an
-    accelerator's mesh goes to that accelerator to be gathered, as its collectives need."""
+    rank of its mesh calls it; for one held whole by some ranks, every rank of the group that
+    shares it), anything else as it is. A DTensor offloaded to the CPU over an accelerator's mesh
+    goes to that accelerator to be gathered, as its collectives need."""
     if not is_dtensor(value):
         return value
     mesh_device = value.device_mesh.device_type
     if value.device.type != mesh_device:
         value = value.to(mesh_device)
+    group = whole_on_group(value)
+    if group is not None:
+        return _broadcast_from_holder(value, group)
     return value.full_tensor()
+
+
+def _broadcast_from_holder(value: Any, group: comm.ProcessGroup) -> torch.Tensor:
+    """A fresh copy of ``value`` (held whole by the ranks of its mesh) on every rank of ``group``,
+    from the holder in ``group``."""
+    holders = set(int(r) for r in value.device_mesh.mesh.flatten().tolist())
+    members = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    source = next(i for i, r in enumerate(members) if r in holders)
+    local = value.to_local()
+    whole = local.detach().clone() if held_here(value) else torch.empty(value.shape, dtype=value.dtype, device=local.device)
+    comm.broadcast(whole, source, group, async_op=False)
+    return whole
 
 
 def full_copy(value: Any, keep: bool) -> Any:

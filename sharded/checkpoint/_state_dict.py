@@ -9,7 +9,8 @@ model::
                "classes": ["torch.optim.adamw.AdamW", ...]}}   # one per param group
 
 Every rank lists in ``optim.state`` exactly the parameters whose optimizer state it keeps: with
-``OSS`` that is the parameters the rank owns, with a plain optimizer all of them. Values are the
+``OSS`` that is the parameters the rank owns, with a plain optimizer all of them but those placed
+whole on another rank (``sharded.fsdp.Owned``). Values are the
 live tensors, not copies, so building it costs nothing; DCP writes each replicated tensor once,
 and each rank its own shard. An optimizer that has not stepped yet has no state: its trainable
 parameters get placeholders of the right shapes instead (``_placeholders``), so that any loader,
@@ -26,7 +27,8 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from .._common.dtensors import full_copy, full_model_state_dict
+from .._common import comm
+from .._common.dtensors import full_copy, full_model_state_dict, held_here, local_tensor_of, whole_on_group
 from .._common.errors import on_rank, process_rank
 from .._common.optimizers import hyperparams
 from .._owners.optim_state import check_state_shapes, shapes_of
@@ -112,8 +114,8 @@ def _held_states(optimizer: Optimizer) -> dict[torch.Tensor, Mapping[str, Any]]:
         partition = optimizer.partition
         kept = [partition.params[i] for i in partition.owned_indices(optimizer.rank)]
         stepping = optimizer.optim
-    else:
-        kept = [p for group in optimizer.param_groups for p in group["params"]]
+    else:  # every parameter this rank holds (an owner-placed one only on its owner)
+        kept = [p for group in optimizer.param_groups for p in group["params"] if held_here(p)]
         stepping = optimizer
     table: Mapping[torch.Tensor, Mapping[str, Any]] = stepping.state or placeholder_states(stepping, kept)
     return {p: table.get(p, {}) for p in kept}
@@ -161,9 +163,45 @@ def _full_optimizer_state(optimizer: Optimizer, rank: int) -> Optional[dict[str,
         optimizer.consolidate_state_dict(recipient_rank=0)
         return optimizer.state_dict() if rank == 0 else None
     torch_format = optimizer.state_dict()
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    owned = {index for index, p in enumerate(params) if whole_on_group(p) is not None}
     state = {
         index: {key: full_copy(value, keep=rank == 0) for key, value in held.items()}
         for index, held in torch_format["state"].items()
+        if index not in owned
     }
-    return {"state": state, "param_groups": copy.deepcopy(torch_format["param_groups"])} if rank == 0 else None
+    state.update(_owned_states_on_rank0(params, owned, torch_format["state"]))
+    return {"state": dict(sorted(state.items())), "param_groups": copy.deepcopy(torch_format["param_groups"])} if rank == 0 else None
+
+
+def _owned_states_on_rank0(params: list[torch.Tensor], owned: set[int], states: Mapping[int, Any]) -> dict[int, Any]:
+    """Collective: the optimizer state of owner-placed parameters (``sharded.fsdp.Owned``), which
+    only their owners hold, as CPU copies on rank 0 (``{}`` elsewhere). Each parameter's first
+    holder sends what it has; no other rank holds it."""
+    if not owned:
+        return {}
+    mine = {
+        index: {key: _cpu_copy(value) for key, value in states[index].items()}
+        for index in sorted(owned)
+        if index in states and _first_holder(params[index]) == process_rank()
+    }
+    outgoing = {0: mine} if mine and process_rank() != 0 else {}
+    received = comm.exchange_objects(outgoing, None)
+    if process_rank() != 0:
+        return {}
+    for part in received.values():
+        mine.update(part)
+    return mine
+
+
+def _first_holder(param: torch.Tensor) -> int:
+    """The lowest global rank holding an owner-placed parameter whole."""
+    return int(param.device_mesh.mesh.min())  # type: ignore[attr-defined]
+
+
+def _cpu_copy(value: Any) -> Any:
+    """What this rank holds of ``value`` (all of an owner-placed one), as a CPU copy."""
+    if isinstance(value, torch.Tensor):
+        return local_tensor_of(value).detach().to("cpu", copy=True)
+    return copy.deepcopy(value)
 

@@ -20,7 +20,9 @@ Modules, FSDP2's split of API / state / param / group / collectives:
   the backward tracker), ``_state`` (drives a unit from its module's hooks and reaches the root),
   ``_root`` (model-wide duties: order, prefetch, end of backward), ``_fsdp_module`` (``FSDPModule``'s
   methods), ``_full_params``, ``_grad_norm``.
-- ``_placement/``: the mesh a unit shards over and the DTensor layout of its shards.
+- ``_placement/``: the mesh a unit shards over and the DTensor layout of its shards; ``owned``
+  (``Owned``: a parameter kept whole on one rank), whose storage, broadcasts and reduces onto the
+  owner are ``_owned``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ _EXPORTS = {
     "OffloadPolicy": ".policies",
     "CPUOffloadPolicy": ".policies",
     "BackwardPrefetch": ".policies",
+    "Owned": "._placement.owned",
     "FullyShardedDataParallel": ".fully_sharded_data_parallel",
     "ShardingStrategy": ".fully_sharded_data_parallel",
     "CPUOffload": ".fully_sharded_data_parallel",

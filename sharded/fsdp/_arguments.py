@@ -2,7 +2,7 @@
 
 torch's own ``MixedPrecisionPolicy`` / ``OffloadPolicy`` / ``CPUOffloadPolicy`` objects become
 ours (same fields); ``reshard_after_forward`` may be ``None`` or an ``int`` as in torch 2.13; and
-``shard_placement_fn`` is asked about every parameter (the dim to cut it on). What sharded does not implement raises
+``shard_placement_fn`` is asked about every parameter (the dim to cut it on, or the owner placement). What sharded does not implement raises
 ``NotImplementedError`` naming the argument, never a silent difference.
 """
 
@@ -13,9 +13,10 @@ from typing import Any, Callable, Optional, Sequence, Union
 from torch.distributed.tensor import Shard
 
 from .._common.errors import on_rank
+from ._placement.owned import Owned
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-__all__ = ["as_our_policies", "resolve_reshard_after_forward", "shard_dims"]
+__all__ = ["as_our_policies", "resolve_reshard_after_forward", "shard_placements"]
 
 
 def as_our_policies(mp_policy: Any, offload_policy: Any) -> tuple[MixedPrecisionPolicy, Optional[OffloadPolicy]]:
@@ -60,22 +61,26 @@ def resolve_reshard_after_forward(value: Any, shard_world: int) -> Union[bool, i
     return value
 
 
-def shard_dims(shard_placement_fn: Optional[Callable[[Any], Any]], taken: Sequence[tuple], shard_world: int) -> list[int]:
-    """The dim each parameter is cut on: what ``shard_placement_fn`` returns for it (``None``:
-    dim 0; ``Shard(d)``, ``d`` may be negative), checked as torch checks it: a dim the parameter
-    has, and a dim other than 0 must divide evenly over the ``shard_world`` ranks."""
+def shard_placements(shard_placement_fn: Optional[Callable[[Any], Any]], taken: Sequence[tuple], shard_world: int) -> list[Union[int, Owned]]:
+    """Where each parameter goes: the dim it is cut on, or :class:`Owned` to keep it whole on
+    one rank. What ``shard_placement_fn`` returns for it: ``None`` (dim 0), ``Shard(d)`` (``d``
+    may be negative), checked as torch checks it (a dim the parameter has; a dim other than 0
+    must divide evenly over the ``shard_world`` ranks), or ``Owned(...)``."""
     if shard_placement_fn is None:
         return [0] * len(taken)
-    return [_shard_dim(name, param, shard_placement_fn(param), shard_world) for name, param, _ in taken]
+    return [_placement(name, param, shard_placement_fn(param), shard_world) for name, param, _ in taken]
 
 
-def _shard_dim(name: str, param: Any, placement: Any, shard_world: int) -> int:
+def _placement(name: str, param: Any, placement: Any, shard_world: int) -> Union[int, Owned]:
     if placement is None:
         return 0
+    if isinstance(placement, Owned):
+        return placement
     if type(placement) is not Shard:
         raise NotImplementedError(on_rank(
             f"fully_shard(shard_placement_fn=...) returned {placement!r} for parameter {name}; sharded "
-            "supports None or Shard(dim) over the mesh given to fully_shard (not a per-parameter mesh)"
+            "supports None, Shard(dim) over the mesh given to fully_shard, or sharded.fsdp.Owned() (the "
+            "parameter whole on one rank)"
         ))
     ndim = param.dim()
     dim = placement.dim + ndim if placement.dim < 0 else placement.dim

@@ -12,8 +12,7 @@ from typing import Any, Iterator, Mapping
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
-
+from .._common.dtensors import full_tensor_of
 from .._common.errors import on_rank
 from ._unit import TrainingState, Unit, units_under
 
@@ -69,7 +68,7 @@ def _check_no_tensor_parallel(units: list[Unit]) -> None:
 
 def _restore_shards(unit: Unit, writeback: bool) -> None:
     for sp in unit.params:
-        if writeback:
+        if writeback and sp.held_here:  # an owner-placed parameter is written back by its owner
             full = sp.held_by_module()
             if full is None:
                 raise RuntimeError(on_rank(f"summon_full_params(writeback=True): parameter {sp.fqn} was removed from its module"))
@@ -81,6 +80,6 @@ def _restore_shards(unit: Unit, writeback: bool) -> None:
 def load_full_model_state_dict(module: nn.Module, state_dict: Mapping[str, Any], strict: bool = True):
     """Collective: load full tensors (or DTensors) into a sharded ``module``; each rank keeps its
     rows. Returns what ``load_state_dict`` returns (missing and unexpected keys)."""
-    full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state_dict.items()}
+    full = {k: full_tensor_of(v) for k, v in state_dict.items()}
     with summon_full_params(module, writeback=True):
         return module.load_state_dict(full, strict=strict)

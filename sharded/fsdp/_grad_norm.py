@@ -5,7 +5,9 @@ Each rank holds a shard of most gradients, so the norm is a sum over ranks: ever
 ``|g|^p`` over its local shards, one all-reduce per shard group adds the ranks' sums, and
 replicated gradients (0-dim parameters, ignored or unsharded ones), which every rank holds
 whole, are added once, locally. A gradient sharded on several mesh dims (2-D FSDP + tensor
-parallelism) is summed over each of them in turn. The result equals ``clip_grad_norm_`` on the unsharded model.
+parallelism) is summed over each of them in turn. An owner-placed gradient (``Owned``) is held
+whole by its owner alone: its term joins the shard group's sum, once (every rank of the group
+joins that sum, whether or not it owns a gradient). The result equals ``clip_grad_norm_`` on the unsharded model.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .._common import comm
+from .._common.dtensors import local_tensor_of, whole_on_group
 from .._common.norm import all_reduce_term, norm_term, scale_by_norm_, total_norm
 
 __all__ = ["clip_grad_norm_", "global_grad_norm"]
@@ -30,10 +33,13 @@ def global_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0)
     by_groups: dict[tuple[dist.ProcessGroup, ...], list[torch.Tensor]] = {}
     whole: list[torch.Tensor] = []
     for p in parameters:
+        groups = _groups_holding_parts(p)
+        if groups:  # every rank joins the sum, also one holding no gradient of these (an owner's)
+            by_groups.setdefault(groups, [])
         if p.grad is None:
             continue
-        groups, local = _where(p.grad)
-        (by_groups.setdefault(groups, []) if groups else whole).append(local)
+        local = local_tensor_of(p.grad)
+        (by_groups[groups] if groups else whole).append(local)
     first = next(iter(whole or [t for ts in by_groups.values() for t in ts]), None)
     device = first.device if first is not None else torch.device("cpu")
     terms = [norm_term(whole, norm_type, device)]
@@ -56,16 +62,19 @@ def clip_grad_norm_(
     would on the unsharded model). Collective: every rank calls it with the same parameters."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     total = global_grad_norm(params, norm_type)
-    locals_ = [_where(p.grad)[1] for p in params if p.grad is not None]
+    locals_ = [local_tensor_of(p.grad) for p in params if p.grad is not None]
     scale_by_norm_(locals_, total, max_norm, float(norm_type), error_if_nonfinite)
     return total
 
 
-def _where(grad: torch.Tensor) -> tuple[tuple[dist.ProcessGroup, ...], torch.Tensor]:
-    """(the groups of the mesh dims across which ranks hold disjoint parts of ``grad``, none if
-    each rank holds it whole; this rank's part)."""
-    if not isinstance(grad, DTensor):
-        return (), grad
-    mesh = grad.device_mesh
-    groups = tuple(mesh.get_group(dim) for dim, p in enumerate(grad.placements) if p.is_shard() or isinstance(p, _StridedShard))
-    return groups, grad.to_local()
+def _groups_holding_parts(param: torch.Tensor) -> tuple[dist.ProcessGroup, ...]:
+    """The groups across which ranks hold disjoint parts of ``param``'s gradient: its mesh's
+    sharded dims; for one held whole by one rank of a group (owner placement), that group; none
+    if each rank holds it whole."""
+    if not isinstance(param, DTensor):
+        return ()
+    owners_group = whole_on_group(param)
+    if owners_group is not None:
+        return (owners_group,)
+    mesh = param.device_mesh
+    return tuple(mesh.get_group(dim) for dim, p in enumerate(param.placements) if p.is_shard() or isinstance(p, _StridedShard))

@@ -90,9 +90,10 @@ class ShardGeometry:
         return tuple(reversed(strides))
 
 
-def placements_for(geometry: ShardGeometry, mesh: DeviceMesh) -> tuple[Placement, ...]:
-    """``Shard(dim)`` on the last mesh dim (replicated on an outer one, if any); 0-dim: replicated."""
-    if geometry.replicated:
+def placements_for(geometry: ShardGeometry, mesh: DeviceMesh, owned: bool = False) -> tuple[Placement, ...]:
+    """``Shard(dim)`` on the last mesh dim (replicated on an outer one, if any); 0-dim, or an
+    owner-placed parameter on its owner mesh: replicated."""
+    if geometry.replicated or owned:
         return tuple(Replicate() for _ in range(mesh.ndim))
     return tuple(Replicate() for _ in range(mesh.ndim - 1)) + (Shard(geometry.dim),)
 
@@ -108,6 +109,10 @@ class ShardedParam:
 
     A parameter registered under several names (tied weights) has one ``ShardedParam`` with
     several entries in ``registered_as``; all of them are switched together.
+
+    An owner-placed parameter (``owner`` set: a rank of the shard group, ``sharded.fsdp.Owned``)
+    is not cut: its geometry is one whole shard, ``mesh`` is its owner mesh (the ranks holding
+    it, ``Replicate()`` on it) and only the owner's local tensor holds its value.
     """
 
     def __init__(
@@ -118,13 +123,15 @@ class ShardedParam:
         mesh: DeviceMesh,
         shard_rank: int,
         layout: Optional[DTensorLayout] = None,
+        owner: Optional[int] = None,
     ) -> None:
         self.fqn = fqn
         self.registered_as = list(registered_as)  # (module, attribute name) pairs
         self.geometry = geometry
         self.shard_rank = shard_rank
+        self.owner = owner  # the shard-group rank holding it whole (None: cut, as ``geometry`` says)
         self._mesh = mesh
-        self._placements = placements_for(geometry, mesh)
+        self._placements = placements_for(geometry, mesh, owned=owner is not None)
         self.layout = layout  # a tensor-parallel parameter's DTensors (None: plain, the above)
         self._sharded: Optional[nn.Parameter] = None  # set by the first attach_shard
         self.unsharded: Optional[nn.Parameter] = None  # set by the unit's storage before a gather
@@ -145,6 +152,12 @@ class ShardedParam:
     @property
     def requires_grad(self) -> bool:
         return self.sharded.requires_grad
+
+    @property
+    def held_here(self) -> bool:
+        """Whether this rank holds (its rows of) the value: false only for an owner-placed
+        parameter on a rank other than its owner."""
+        return self.owner is None or cast(DTensor, self.sharded).device_mesh.get_coordinate() is not None
 
     def real_rows(self, slot: torch.Tensor) -> torch.Tensor:
         """The real (unpadded) rows of this rank's padded ``slot`` (a 1-D piece of a flat buffer),

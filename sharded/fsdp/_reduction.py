@@ -20,15 +20,17 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from .._common import comm
+from .._common.errors import on_rank
 from ._collectives import PendingReduceScatter, ProfilerLabels, new_buffer, start_reduce_scatter
 from ._flat_buffers import GradientLayout, pack_gradients
+from ._owned import OwnedReduction, start_owned_reduction
 from ._param import ShardedParam
 from ._placement.mesh import MeshInfo
 from ._reduce_ops import DivisionPlan, division_plan
 from ._settings import UnitSettings
 from ._streams import CommStreams
 
-__all__ = ["ReduceSettings", "GradientShards", "Reduction", "GradientReducer"]
+__all__ = ["ReduceSettings", "GradientShards", "Reduction", "UnitReduction", "GradientReducer"]
 
 # (parameter, this rank's rows of its reduced gradient), for each parameter that gets one
 GradientShards = list[tuple[ShardedParam, torch.Tensor]]
@@ -162,24 +164,61 @@ class GradientReducer:
         self._streams = streams
         self._partial: Optional[torch.Tensor] = None  # scattered sums awaiting a deferred all-reduce
 
-    def start(self, params: list[ShardedParam], grads: list[Optional[torch.Tensor]], dtype: torch.dtype, labels: ProfilerLabels) -> Reduction:
+    def start(self, params: list[ShardedParam], grads: list[Optional[torch.Tensor]], dtype: torch.dtype, labels: ProfilerLabels) -> UnitReduction:
         """Pack the full ``grads`` of ``params`` (``None`` where this rank has none) in
-        ``dtype``, scale them and start reduce-scattering them, as the all-gather's mirror image.
-        Empties ``grads`` once packed: the full gradients are freed before the collective runs."""
-        info, world = self._mesh_info, self._mesh_info.shard_world
+        ``dtype``, scale them and start reducing them: reduce-scattered, as the all-gather's
+        mirror image, and for owner-placed parameters reduced onto their owners. Empties
+        ``grads`` once packed: the full gradients are freed before the collectives run."""
         settings = self._reduce_settings(dtype)
-        device, comm = info.device, settings.comm
         self._streams.reduce_scatter_after_compute([g for g in grads if g is not None])
+        cut = [(sp, g) for sp, g in zip(params, grads) if sp.owner is None]
+        owned = [(sp, g) for sp, g in zip(params, grads) if sp.owner is not None]
+        grads.clear()
+        parts: list[Any] = []
         with self._streams.on_reduce_scatter(), record_function(labels.reduce_scatter):
-            sent, layout = pack_gradients(params, grads, world, lambda numel: new_buffer(numel, dtype, device, comm))
-            grads.clear()
-            settings.plan.scale_sent(sent)
-            group = self._settings.reduce_scatter_group or info.shard_group
-            scatter = start_reduce_scatter(sent, group, world, settings.plan.scatter_op, comm)
+            if cut:
+                parts.append(self._start_reduce_scatter(cut, dtype, settings, labels))
+            if owned:
+                parts.append(self._start_owned(owned, dtype, settings))
+        return UnitReduction(parts)
+
+    def _start_reduce_scatter(self, pairs: list[tuple[ShardedParam, Optional[torch.Tensor]]], dtype: torch.dtype,
+                              settings: ReduceSettings, labels: ProfilerLabels) -> Reduction:
+        info, world = self._mesh_info, self._mesh_info.shard_world
+        device, custom = info.device, settings.comm
+        params, grads = [sp for sp, _ in pairs], [g for _, g in pairs]
+        sent, layout = pack_gradients(params, grads, world, lambda numel: new_buffer(numel, dtype, device, custom))
+        grads.clear()
+        pairs.clear()
+        settings.plan.scale_sent(sent)
+        group = self._settings.reduce_scatter_group or info.shard_group
+        scatter = start_reduce_scatter(sent, group, world, settings.plan.scatter_op, custom)
         reduction = Reduction(scatter, layout, settings, self._streams, labels.land_gradients, _land_gradients)
         if world == 1:
             reduction.advance()  # nothing to wait for: start the all-reduce across replicas now
         return reduction
+
+    def _start_owned(self, pairs: list[tuple[ShardedParam, Optional[torch.Tensor]]], dtype: torch.dtype,
+                     settings: ReduceSettings) -> OwnedReduction:
+        """Reduce owner-placed gradients onto their owners, scaled as the reduce-scatter is."""
+        info = self._mesh_info
+        refused = [what for what, asked in (
+            ("set_custom_reduce_scatter", settings.comm is not None),
+            ("set_all_reduce_hook", settings.hook is not None),
+            ("set_requires_all_reduce(False)", settings.replicate_group is not None and not settings.all_reduce_now),
+        ) if asked]
+        if refused:
+            raise NotImplementedError(on_rank(
+                f"{refused[0]}: this unit has owner-placed parameters (sharded.fsdp.Owned, e.g. {pairs[0][0].fqn}), "
+                "whose gradients are reduced onto their owners; it applies to element-sharded parameters only"
+            ))
+        group = self._settings.reduce_scatter_group or info.shard_group
+        params, grads = [sp for sp, _ in pairs], [g for _, g in pairs]
+        pairs.clear()
+        return start_owned_reduction(
+            params, grads, dtype, settings.plan, group, info.shard_rank, info.shard_world,
+            settings.replicate_group, settings.land_unused, info.device, _land_gradients,
+        )
 
     def drop_partial(self) -> None:
         """Forget the scattered sum a deferred all-reduce left (a reset)."""
@@ -204,6 +243,31 @@ class GradientReducer:
 
     def _keep_partial(self, scattered: torch.Tensor) -> None:
         self._partial = scattered
+
+
+class UnitReduction:
+    """A unit's reductions of one backward, in flight together: the reduce-scatter of its
+    element-sharded gradients and the reduces of its owner-placed ones onto their owners (each
+    if any). The root drives it as one."""
+
+    def __init__(self, parts: list[Any]) -> None:
+        self._parts = parts  # Reduction / OwnedReduction: hybrid, advance(), finish(), abandon()
+
+    @property
+    def hybrid(self) -> bool:
+        return any(part.hybrid for part in self._parts)
+
+    def advance(self) -> None:
+        for part in self._parts:
+            part.advance()
+
+    def finish(self) -> None:
+        for part in self._parts:
+            part.finish()
+
+    def abandon(self) -> None:
+        for part in self._parts:
+            part.abandon()
 
 
 def _land_gradients(shards: GradientShards) -> None:

@@ -26,7 +26,7 @@ from .._common.checks import check_same_across_ranks
 from .._common.errors import on_rank
 from .._common.in_flight import MAX_REDUCTIONS_IN_FLIGHT, InFlight
 from ._extension import check_no_late_hooks
-from ._reduction import Reduction
+from ._reduction import UnitReduction
 from ._unit import ShardState, TrainingState, Unit, unit_of, units_under
 from .policies import BackwardPrefetch
 
@@ -47,7 +47,7 @@ class Root:
         self._after: dict[str, dict[Unit, Unit]] = {"forward": {}, "backward": {}}  # each order's next unit
         self._this_forward: dict[Unit, None] = {}
         self._ended_this_forward: dict[Unit, None] = {}
-        self._reductions: InFlight[Reduction] = InFlight()
+        self._reductions: InFlight[UnitReduction] = InFlight()
 
     @classmethod
     def claim(cls, unit: Unit) -> "Root":
@@ -175,7 +175,7 @@ class Root:
         if unit.settings.backward_prefetch_timing is BackwardPrefetch.BACKWARD_POST:
             self.prefetch_backward(unit)
 
-    def _add_reduction(self, start: Callable[[], Reduction]) -> None:
+    def _add_reduction(self, start: Callable[[], UnitReduction]) -> None:
         """Start a unit's reduction (``start()`` packs its gradients and sends them), finishing
         the oldest in flight first when the limit is reached: their send buffers are freed
         before the new one is allocated, not after."""

@@ -29,10 +29,11 @@ from ._extension import ExtensionGather
 from ._flat_buffers import UnitStorage
 from ._gather import GatherRoute, ParamGather
 from ._hooks import BackwardTracker, cast_floats
+from ._owned import OwnedGather
 from ._param import ShardedParam
 from ._placement.mesh import MeshInfo
 from ._placement.secondary_shard import SecondaryShardGroup
-from ._reduction import GradientReducer, Reduction
+from ._reduction import GradientReducer, UnitReduction
 from ._registry import register_sharded, retire
 from ._settings import StepContext, UnitSettings
 from ._streams import CommStreams
@@ -309,7 +310,7 @@ class Unit:
             return any(sp.unsharded is not None and sp.unsharded.grad is not None for sp in self.params)
         return self.backward.awaiting
 
-    def post_backward(self) -> Optional[Callable[[], Reduction]]:
+    def post_backward(self) -> Optional[Callable[[], UnitReduction]]:
         """The unit's backward is done: take its gradients (with sync off, keep them locally),
         then reshard. Returns what starts sending them, for the root to call when a reduction
         may start (``None``: nothing to send)."""
@@ -371,9 +372,11 @@ class Unit:
 
 
 def _gathers_for(params: list[ShardedParam], mesh_info: MeshInfo, settings: UnitSettings) -> list[ParamGather]:
-    """The plain parameters' flat buffers, then the all-gather extension's, each if any."""
-    plain = [sp for sp in params if not sp.gather_extension]
+    """The plain parameters' flat buffers, then the all-gather extension's, then the owner-placed
+    parameters' broadcasts, each if any."""
+    plain = [sp for sp in params if not sp.gather_extension and sp.owner is None]
     extended = [sp for sp in params if sp.gather_extension]
+    owned = [sp for sp in params if sp.owner is not None]
     gathers: list[ParamGather] = []
     if plain:
         gathers.append(UnitStorage(
@@ -386,6 +389,16 @@ def _gathers_for(params: list[ShardedParam], mesh_info: MeshInfo, settings: Unit
         ))
     if extended:
         gathers.append(ExtensionGather(extended, mesh_info.mesh, settings.mp_policy, mesh_info.device))
+    if owned:
+        gathers.append(OwnedGather(
+            owned,
+            mesh_info.shard_rank,
+            mesh_info.shard_world,
+            mesh_info.device,
+            offload_to_cpu=settings.offloads,
+            pin_memory=settings.pins_memory,
+            unsharded_dtype=settings.mp_policy.param_dtype,
+        ))
     return gathers
 
 

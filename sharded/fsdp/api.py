@@ -24,9 +24,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .._common.dtensors import local_tensor_of
+from .._common.dtensors import is_dtensor, local_tensor_of
 from .._common.errors import on_rank
-from ._arguments import as_our_policies, resolve_reshard_after_forward, shard_dims
+from ._arguments import as_our_policies, resolve_reshard_after_forward, shard_placements
 from ._collect import check_not_sharded, collect_unit_params
 from ._extension import has_gather_extension
 from ._fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method
@@ -34,6 +34,7 @@ from ._hooks import install_forward_hooks, install_state_dict_hooks
 from ._param import ShardedParam, ShardGeometry
 from ._placement.dtensor import layout_for
 from ._placement.mesh import MeshInfo, resolve_mesh
+from ._placement.owned import Owned, OwnerRequest, choose_owners, owner_meshes, prepare_dtensor_rng
 from ._placement.secondary_shard import secondary_shard_group, secondary_shard_world
 from ._placement.spmd import resolve_spmd_mesh, spmd_layout
 from ._registry import install_optimizer_guard, register_sharded, retire
@@ -98,9 +99,13 @@ def fully_shard(
             ``k`` between (ZeRO++'s secondary shard) keeps ``1/k`` of the gathered parameters
             after forward and all-gathers within groups of ``k`` ranks in backward (not for
             DTensor parameters: ``NotImplementedError``, as in torch).
-        shard_placement_fn: ``param -> None | Shard(dim)``: the dim to cut each parameter on
-            (``None``: 0). As in torch, a dim other than 0 must divide evenly over the shard
-            world; another placement raises ``NotImplementedError``.
+        shard_placement_fn: ``param -> None | Shard(dim) | Owned(...)``: the dim to cut each
+            parameter on (``None``: 0; as in torch, a dim other than 0 must divide evenly over
+            the shard world), or ``sharded.fsdp.Owned()`` to keep it whole on one rank of the
+            shard group, chosen by step cost (``Owned(rank)``: that rank): broadcast from it
+            for forward and backward, its gradient reduced onto it, its optimizer state and step
+            there alone (for Muon and other whole-matrix optimizers; see
+            :mod:`sharded.fsdp._placement.owned`). Another placement raises ``NotImplementedError``.
         mp_policy: mixed precision (:class:`MixedPrecisionPolicy`, ours or torch's).
         offload_policy: ``CPUOffloadPolicy`` (ours or torch's) to keep shards, gradients and the
             optimizer step on the CPU; ``None`` or ``OffloadPolicy()``: no offloading.
@@ -123,17 +128,20 @@ def fully_shard(
     for m in modules:
         check_not_sharded(m)
     taken = collect_unit_params(modules, _ids_of(modules, ignored_params))
-    dims = shard_dims(shard_placement_fn, taken, info.shard_world)
+    placements = shard_placements(shard_placement_fn, taken, info.shard_world)
+    owners = _owners_of(taken, placements, info, reshard_after_forward)
     params = [
         ShardedParam(
             name,
             registered_as,
-            ShardGeometry(local_tensor_of(param).shape, info.shard_world, dim),
+            ShardGeometry(local_tensor_of(param).shape, info.shard_world, placement),
             info.mesh,
             info.shard_rank,
             layout_for(param, name, info.mesh) if info.spmd is None else spmd_layout(param, name, info.spmd),
         )
-        for (name, param, registered_as), dim in zip(taken, dims)
+        if isinstance(placement, int) else
+        ShardedParam(name, registered_as, ShardGeometry(param.shape, 1), owner_meshes(info)[owners[i]], 0, owner=owners[i])
+        for i, ((name, param, registered_as), placement) in enumerate(zip(taken, placements))
     ]
     for sp, (name, param, _) in zip(params, taken):
         sp.gather_extension = has_gather_extension(param, name, sp.geometry.dim)
@@ -178,9 +186,33 @@ def _unit_settings(
     return UnitSettings(mp_policy, offload_policy, reshard_after_forward=True, secondary_shard=secondary_shard_group(info, world))
 
 
+def _owners_of(taken: list, placements: list, info: MeshInfo, reshard_after_forward: Union[bool, int, None]) -> dict[int, int]:
+    """Index -> owner (a shard-group rank) of each parameter ``shard_placement_fn`` placed with
+    :class:`~._placement.owned.Owned`, chosen by the balancer; the placement's refusals."""
+    requests = {i: OwnerRequest(name, param.shape, p) for i, ((name, param, _), p) in enumerate(zip(taken, placements)) if isinstance(p, Owned)}
+    if not requests:
+        return {}
+    first = next(iter(requests.values())).fqn
+    refused = [why for why, asked in (
+        ("on an SPMD mesh (dp_mesh_dims)", info.spmd is not None),
+        (f"with reshard_after_forward={reshard_after_forward} (a secondary shard)", secondary_shard_world(reshard_after_forward) is not None),
+        ("for a DTensor (tensor-parallel) parameter", any(is_dtensor(taken[i][1]) for i in requests)),
+    ) if asked]
+    if refused:
+        raise NotImplementedError(on_rank(f"fully_shard: parameter {first} is placed Owned() {refused[0]}; the owner placement keeps a plain parameter whole on a rank of a 1-D or hybrid mesh"))
+    prepare_dtensor_rng(info)
+    return dict(zip(requests, choose_owners(list(requests.values()), info)))
+
+
 def _check_tensor_parallel_params(params: list[ShardedParam]) -> None:
-    """DTensor (tensor-parallel) parameters are cut on dim 0 of their local tensor, gathered plainly."""
+    """DTensor (tensor-parallel) parameters are cut on dim 0 of their local tensor, gathered
+    plainly; owner-placed parameters are broadcast whole, never through the all-gather extension."""
     for sp in params:
+        if sp.owner is not None and sp.gather_extension:
+            raise NotImplementedError(on_rank(
+                f"fully_shard: parameter {sp.fqn} has the all-gather extension (fsdp_pre_all_gather) and is placed "
+                "Owned(); owner-placed parameters are broadcast whole from their owner"
+            ))
         if sp.layout is not None and (sp.geometry.dim != 0 or sp.gather_extension):
             what = f"shard_placement_fn chose Shard({sp.geometry.dim})" if sp.geometry.dim else "it has the all-gather extension"
             raise NotImplementedError(on_rank(

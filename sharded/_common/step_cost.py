@@ -1,0 +1,31 @@
+"""What an optimizer step costs per parameter, for placing whole parameters on owner ranks.
+
+An element-wise optimizer (SGD, Adam) costs about as much per element as it holds, so balancing
+bytes balances its step. A whole-matrix optimizer does not: Muon's Newton–Schulz iteration on an
+``m x n`` matrix is a handful of matrix products of ``min(m, n)``-sized Gram matrices, about
+``m * n * min(m, n)`` multiply-adds, so one 4096 x 4096 matrix costs as much as 64 of size
+1024 x 1024 though it holds only 16 times the bytes. Layers 1-2 (``OSS``'s partition) and layer
+3 (the owner placement, ``sharded.fsdp.Owned``) balance by these costs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+__all__ = ["newton_schulz_cost"]
+
+
+def newton_schulz_cost(shape: Sequence[int]) -> int:
+    """The relative cost of a Newton–Schulz step (Muon's) on a tensor of ``shape``.
+
+    ``m * n * min(m, n)`` for an ``m x n`` matrix; a tensor of more dims counts as a stack of
+    matrices over its last two (``prod(leading) * m * n * min(m, n)``, as a batched Muon steps
+    stacked experts); a 0-dim or 1-dim tensor, which no such optimizer orthogonalises, counts its
+    elements.
+    """
+    dims = [int(d) for d in shape]
+    if len(dims) < 2:
+        return math.prod(dims)
+    *leading, m, n = dims
+    return math.prod(leading) * m * n * min(m, n)

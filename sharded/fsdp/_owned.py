@@ -1,0 +1,397 @@
+"""A unit's owner-placed parameters (``sharded.fsdp.Owned``): their storage, their gather and
+their gradients' reduction.
+
+Each such parameter is held whole by its owner (a rank of the shard group), in the owner's flat
+buffer of the unit's owned parameters, and gathered by one broadcast per owner into the unit's
+unsharded buffer for them, which holds every owned parameter back to back, grouped by owner:
+each broadcast lands in place, in its owner's region, so nothing is copied out. Backward's
+gradients go the other way: per owner, one buffer of its parameters' full gradients (zeros where
+this rank has none) and one "used" flag per parameter, reduced onto the owner, who alone lands
+them in ``.grad``. On a hybrid mesh every replica row does the same within itself, then the
+owners average across the rows.
+
+:class:`OwnedGather` is the :class:`._gather.ParamGather` of these parameters; the unit gathers
+them beside its flat buffers. :func:`start_owned_reduction` is the reduction's mirror image,
+scaled by the unit's :class:`._reduce_ops.DivisionPlan` exactly as its reduce-scatter is, so a
+gradient reduced to its owner has the bits a reduce-scatter would give it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .._common import comm
+from .._common.errors import on_rank
+from .._common.flat import is_view_of, offsets_of, used_anywhere, used_flags
+from ._gather import GatherRoute
+from ._param import ShardedParam
+from ._placement.secondary_shard import SecondaryShardGroup
+from ._reduce_ops import DivisionPlan
+
+__all__ = ["OwnedGather", "OwnedReduction", "start_owned_reduction"]
+
+# (parameter, its reduced gradient) for each owned parameter this rank lands
+Landed = list[tuple[ShardedParam, torch.Tensor]]
+
+
+class OwnedGather:
+    """The owner-placed parameters of one unit, held whole by their owners and broadcast from
+    them before the unit computes.
+
+    Args:
+        params: the unit's owner-placed parameters, in the unit's order.
+        shard_rank: this rank in the shard group.
+        world: the shard group's size.
+        compute_device: where the unsharded parameters live.
+        offload_to_cpu / pin_memory: keep the owned values on the CPU (pinned if possible).
+        unsharded_dtype: dtype of the unsharded parameters (``None``: the values' own).
+    """
+
+    def __init__(
+        self,
+        params: Sequence[ShardedParam],
+        shard_rank: int,
+        world: int,
+        compute_device: torch.device,
+        offload_to_cpu: bool,
+        pin_memory: bool,
+        unsharded_dtype: Optional[torch.dtype],
+    ) -> None:
+        self.params = list(params)
+        self.shard_rank = shard_rank
+        self.world = world
+        self.compute_device = compute_device
+        self._offload = offload_to_cpu
+        self._pin = pin_memory and offload_to_cpu and torch.cuda.is_available()
+        self._unsharded_dtype = unsharded_dtype
+        self.by_owner = sorted(self.params, key=lambda sp: _owner(sp))  # the unsharded buffer's order
+        self.mine = [sp for sp in self.by_owner if sp.owner == shard_rank]
+        self._starts = offsets_of([sp.geometry.numel for sp in self.by_owner])
+        self.owned_flat = torch.empty(0)  # this rank's owned values, back to back
+        self._unsharded_flat: Optional[torch.Tensor] = None
+        self._unsharded_key: tuple = ()
+        self._pending: list[dist.Work] = []
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.owned_flat.dtype
+
+    # -------------------------------------------------------------------- owned values
+
+    def shard_from_full(self, fulls: Sequence[torch.Tensor]) -> None:
+        """Keep this rank's owned parameters whole (meta ones unallocated); the others get an
+        empty local tensor, as DTensor gives a rank outside their mesh."""
+        full_of = {id(sp): full for sp, full in zip(self.params, fulls)}
+        on_meta = any(full.is_meta for full in fulls)
+        dtype = fulls[0].dtype if fulls else torch.float32
+        device = torch.device("meta") if on_meta else self._storage_device()
+        flat = self._new_flat(dtype, device)
+        for sp, slot in zip(self.mine, self._slots(flat)):
+            full = full_of[id(sp)]
+            if not on_meta:
+                sp.real_rows(slot).copy_(full.detach())
+            sp.attach_shard(slot, requires_grad=full.requires_grad)
+        for sp in self.params:
+            if sp.owner != self.shard_rank:
+                sp.attach_local(torch.empty(0, dtype=dtype, device=device), requires_grad=full_of[id(sp)].requires_grad)
+        self.owned_flat = flat
+
+    def _ensure_values_current(self, where: str) -> None:
+        """Repack if an owned parameter's local tensor no longer views its slot (``to_empty``,
+        ``module.to(...)`` or an assignment gave it new storage)."""
+        locals_ = [sp.local_shard() for sp in self.mine]
+        if all(is_view_of(local, sp.real_rows(slot)) for sp, local, slot in zip(self.mine, locals_, self._slots(self.owned_flat))):
+            return
+        for sp, local in zip(self.mine, locals_):
+            if local.is_meta:
+                raise RuntimeError(
+                    f"{where}: parameter {sp.fqn} is still on the meta device; materialise the model "
+                    "(module.to_empty(device=...) and initialise it) before its first forward"
+                )
+        dtype = locals_[0].dtype if locals_ else self._dtype_of_others()
+        flat = self._new_flat(dtype, self._storage_device())
+        for sp, local, slot in zip(self.mine, locals_, self._slots(flat)):
+            sp.real_rows(slot).copy_(local)
+            sp.attach_shard(slot, requires_grad=sp.requires_grad)
+        self.owned_flat = flat
+
+    def _dtype_of_others(self) -> torch.dtype:
+        """The dtype of the owned parameters this rank does not hold (a DTensor keeps it)."""
+        return self.params[0].sharded.dtype
+
+    def _storage_device(self) -> torch.device:
+        return torch.device("cpu") if self._offload else self.compute_device
+
+    def _new_flat(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        pin = self._pin and device.type == "cpu"
+        return torch.zeros(sum(sp.geometry.numel for sp in self.mine), dtype=dtype, device=device, pin_memory=pin)
+
+    def _slots(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return list(flat.split([sp.geometry.numel for sp in self.mine]))
+
+    # -------------------------------------------------------------------------- gather
+
+    def prepare(self, where: str) -> None:
+        """Repack the owned values if they moved; (re)build the unsharded parameters if needed."""
+        self._ensure_values_current(where)
+        self._prepare_unsharded()
+
+    def start(self, route: GatherRoute) -> None:
+        """Broadcast each owner's region of the unsharded buffer from it, in owner order."""
+        _refuse(route.custom is not None, "set_custom_all_gather")
+        if self.aliases_values:
+            return
+        self._allocate_unsharded()
+        flat = self._unsharded_buffer()
+        mine = self._region(flat, self.shard_rank)
+        if mine is not None:
+            mine.copy_(self.owned_flat.to(mine.device, non_blocking=True))
+        if route.world == 1:
+            return
+        for owner in self._owners():
+            region = self._region(flat, owner)
+            if region is not None:
+                self._pending.append(_started(comm.broadcast(region, owner, route.group, async_op=True)))
+
+    def finish(self, keep_secondary: Optional[SecondaryShardGroup]) -> None:
+        """Wait for the broadcasts (owned parameters keep no secondary shard: they are gathered
+        from their owners every time)."""
+        while self._pending:
+            self._pending.pop(0).wait()
+
+    def discard(self) -> None:
+        self.finish(None)
+
+    def free(self) -> None:
+        """Free the unsharded buffer's storage (its tensors stay, for the next gather)."""
+        if not self.aliases_values and self._unsharded_flat is not None:
+            self._unsharded_flat.untyped_storage().resize_(0)
+
+    def full_copies(self, route: GatherRoute, where: str) -> list[torch.Tensor]:
+        """Collective: fresh full copies in the values' dtype, broadcast from their owners."""
+        self._ensure_values_current(where)
+        flat = torch.empty(sum(sp.geometry.numel for sp in self.by_owner), dtype=self.dtype, device=self.compute_device)
+        mine = self._region(flat, self.shard_rank)
+        if mine is not None:
+            mine.copy_(self.owned_flat)
+        for owner in self._owners() if route.world > 1 else []:
+            region = self._region(flat, owner)
+            if region is not None:
+                comm.broadcast(region, owner, route.group, async_op=False)
+        copies = {id(sp): flat[s : s + sp.geometry.numel].view(sp.geometry.shape) for sp, s in zip(self.by_owner, self._starts)}
+        return [copies[id(sp)] for sp in self.params]
+
+    # ---------------------------------------------------------------------- unsharded
+
+    @property
+    def aliases_values(self) -> bool:
+        """One rank in the shard group, in the compute dtype and device: the unsharded parameters
+        view the owned values themselves (nothing to broadcast; with more ranks every rank takes
+        part in every broadcast, the owner too)."""
+        flat = self.owned_flat
+        return self.world == 1 and self.unsharded_dtype == flat.dtype and flat.device == self.compute_device
+
+    @property
+    def unsharded_dtype(self) -> torch.dtype:
+        return self._unsharded_dtype or self.dtype
+
+    def _prepare_unsharded(self) -> None:
+        key = (self.unsharded_dtype, self.owned_flat.device, self.aliases_values and self.owned_flat.data_ptr())
+        if key == self._unsharded_key:
+            return
+        self._unsharded_key = key
+        if self.aliases_values:
+            flat, starts = self.owned_flat, offsets_of([sp.geometry.numel for sp in self.mine])
+        else:
+            flat = torch.empty(sum(sp.geometry.numel for sp in self.by_owner), dtype=self.unsharded_dtype, device=self.compute_device)
+            starts = self._starts
+        for sp, start in zip(self.by_owner, starts):
+            full = flat[start : start + sp.geometry.numel].view(sp.geometry.shape)
+            sp.unsharded = nn.Parameter(full, requires_grad=sp.requires_grad)
+        self._unsharded_flat = flat
+        self.free()
+
+    def _unsharded_buffer(self) -> torch.Tensor:
+        """The unsharded buffer through an alias with its own version counter: refills are
+        invisible to autograd, which saved the parameters viewing it."""
+        if self._unsharded_flat is None:
+            raise RuntimeError("owned parameters gathered before their unsharded buffer was built")
+        return self._unsharded_flat.data
+
+    def _allocate_unsharded(self) -> None:
+        if self._unsharded_flat is not None:
+            storage = self._unsharded_flat.untyped_storage()
+            nbytes = self._unsharded_flat.numel() * self._unsharded_flat.element_size()
+            if storage.nbytes() != nbytes:
+                storage.resize_(nbytes)
+
+    def unsharded_bytes(self) -> int:
+        """Bytes the unsharded buffer holds right now (0 while freed or aliasing the values)."""
+        if self.aliases_values or self._unsharded_flat is None:
+            return 0
+        return self._unsharded_flat.untyped_storage().nbytes()
+
+    def _owners(self) -> list[int]:
+        return sorted({_owner(sp) for sp in self.params})
+
+    def _region(self, flat: torch.Tensor, owner: int) -> Optional[torch.Tensor]:
+        """``owner``'s parameters' part of a buffer in :attr:`by_owner` order (``None``: it owns
+        none of them, or they hold no elements)."""
+        spans = [(s, sp.geometry.numel) for sp, s in zip(self.by_owner, self._starts) if sp.owner == owner]
+        if not spans or not sum(n for _, n in spans):
+            return None
+        return flat[spans[0][0] : spans[-1][0] + spans[-1][1]]
+
+
+@dataclass
+class _OwnerSend:
+    """One owner's gradients on their way to it."""
+
+    owner: int
+    params: list[ShardedParam]
+    sent: torch.Tensor  # their full gradients back to back, then one "used" flag each
+    had_grad: list[bool]
+    work: Optional[dist.Work]
+
+
+class OwnedReduction:
+    """The owned parameters' gradients of one backward in flight: reduced onto their owners
+    (then, on a hybrid mesh, averaged across the owners of the replica rows); :meth:`finish`
+    lands on this rank the gradients it owns.
+
+    Args:
+        sends: one per owner, started.
+        plan: the unit's division plan (the same scaling as its reduce-scatter's).
+        shard_rank: this rank in the shard group.
+        replicate_group: hybrid sharding: the group across replica rows.
+        land_unused: land zeros, not ``None``, for parameters no rank used.
+        land: the writer of ``param.grad``.
+    """
+
+    def __init__(
+        self,
+        sends: list[_OwnerSend],
+        plan: DivisionPlan,
+        shard_rank: int,
+        replicate_group: Optional[dist.ProcessGroup],
+        land_unused: bool,
+        land: Callable[[Landed], None],
+    ) -> None:
+        self._sends = sends
+        self._plan = plan
+        self._mine = next((s for s in sends if s.owner == shard_rank), None)
+        self._replicate_group = replicate_group
+        self._land_unused = land_unused
+        self._land = land
+        self._advanced = False
+        self._replica_work: Optional[dist.Work] = None
+
+    @property
+    def hybrid(self) -> bool:
+        return self._replicate_group is not None
+
+    def advance(self) -> None:
+        """Wait for the reduces (releasing what was sent to other owners) and start the average
+        across replica rows of what this rank owns."""
+        if self._advanced:
+            return
+        self._advanced = True
+        for send in self._sends:
+            if send.work is not None:
+                send.work.wait()
+        self._sends = [self._mine] if self._mine is not None else []
+        if self._mine is not None and self._replicate_group is not None:
+            self._replica_work = comm.start_all_reduce(self._mine.sent, self._replicate_group, self._plan.replica_op)
+
+    def finish(self) -> None:
+        """Wait for everything; land this rank's owned gradients."""
+        self.abandon()
+        if self._mine is None:
+            return
+        self._plan.scale_received(self._mine.sent)
+        self._land(self._unpack(self._mine))
+
+    def abandon(self) -> None:
+        """Wait for every collective (so the ranks stay in step) and land nothing."""
+        self.advance()
+        if self._replica_work is not None:
+            self._replica_work.wait()
+            self._replica_work = None
+
+    def _unpack(self, send: _OwnerSend) -> Landed:
+        n = len(send.params)
+        used = [True] * n if self._land_unused or all(send.had_grad) else used_anywhere(send.sent[-n:])
+        pieces = send.sent[:-n].split([sp.geometry.numel for sp in send.params])
+        return [(sp, piece.view(sp.geometry.shape)) for sp, piece, is_used in zip(send.params, pieces, used) if is_used]
+
+
+def start_owned_reduction(
+    params: Sequence[ShardedParam],
+    grads: Sequence[Optional[torch.Tensor]],
+    dtype: torch.dtype,
+    plan: DivisionPlan,
+    group: dist.ProcessGroup,
+    shard_rank: int,
+    world: int,
+    replicate_group: Optional[dist.ProcessGroup],
+    land_unused: bool,
+    device: torch.device,
+    land: Callable[[Landed], None],
+) -> OwnedReduction:
+    """Pack the full ``grads`` of the owner-placed ``params`` (``None`` where this rank has
+    none) per owner, in ``dtype`` on ``device``, scale them as ``plan`` says and start reducing
+    each onto its owner over ``group``."""
+    by_owner: dict[int, list[tuple[ShardedParam, Optional[torch.Tensor]]]] = {}
+    for sp, grad in zip(params, grads):
+        by_owner.setdefault(_owner(sp), []).append((sp, grad))
+    sends = [_send(owner, pairs, dtype, device, plan, group, world) for owner, pairs in sorted(by_owner.items())]
+    return OwnedReduction(sends, plan, shard_rank, replicate_group, land_unused, land)
+
+
+def _send(
+    owner: int,
+    pairs: list[tuple[ShardedParam, Optional[torch.Tensor]]],
+    dtype: torch.dtype,
+    device: torch.device,
+    plan: DivisionPlan,
+    group: dist.ProcessGroup,
+    world: int,
+) -> _OwnerSend:
+    params = [sp for sp, _ in pairs]
+    had_grad = [grad is not None for _, grad in pairs]
+    sent = torch.empty(sum(sp.geometry.numel for sp in params) + len(params), dtype=dtype, device=device)
+    pieces = sent.split([sp.geometry.numel for sp in params] + [len(params)])
+    for (sp, grad), piece in zip(pairs, pieces):
+        if grad is None:
+            piece.zero_()
+        else:
+            piece.view(sp.geometry.shape).copy_(grad)
+    pieces[-1].copy_(used_flags(had_grad, dtype, device))
+    plan.scale_sent(sent)
+    work = comm.start_reduce(sent, owner, group, plan.scatter_op) if world > 1 else None
+    return _OwnerSend(owner, params, sent, had_grad, work)
+
+
+def _owner(sp: ShardedParam) -> int:
+    if sp.owner is None:
+        raise RuntimeError(f"parameter {sp.fqn} is not owner-placed")
+    return sp.owner
+
+
+def _started(work: Optional[dist.Work]) -> dist.Work:
+    if work is None:
+        raise RuntimeError(on_rank("broadcast: this rank is not in the process group it broadcasts over"))
+    return work
+
+
+def _refuse(asked: bool, what: str) -> None:
+    if asked:
+        raise NotImplementedError(on_rank(
+            f"{what}: this unit has owner-placed parameters (sharded.fsdp.Owned), which are broadcast from their "
+            "owners and reduced onto them; the custom collective applies to element-sharded parameters only"
+        ))
