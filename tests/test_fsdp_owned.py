@@ -185,3 +185,266 @@ def _full_parameters(model):
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_owned_matrices_with_muon_and_adamw_match_ddp_without_a_collective_in_the_step(world_size):
     run_on_ranks(_check_muon_and_adamw_match_ddp, world_size, timeout=180)
+
+
+# ------------------------------------------- owner counts, explicit owners, other shapes
+
+
+def _mlp_placement(model, world):
+    """Two matrices owned by ranks 0 and 1 (at world 3 rank 2 owns none of them), the last
+    matrix cut, and one bias, a non-matrix, owned whole by rank 0."""
+    table = {"0.weight": Owned(0), "2.weight": Owned(min(1, world - 1)), "4.bias": Owned(0)}
+    owned = {id(p): table[n] for n, p in model.named_parameters() if n in table}
+    return lambda p: owned.get(id(p))
+
+
+def _mlp_optimizers(model):
+    named = dict(model.named_parameters())
+    matrices = [named["0.weight"], named["2.weight"]]
+    rest = [p for n, p in named.items() if n not in ("0.weight", "2.weight")]
+    return [torch.optim.Muon(matrices, lr=MUON_LR), torch.optim.AdamW(rest, lr=ADAMW_LR, weight_decay=0.1)]
+
+
+def _check_explicit_owners_and_a_rank_owning_nothing(rank, world):
+    from tests._models import mlp
+
+    exact = world <= 2
+    ref = mlp()
+    ddp, theirs = DDP(ref), _mlp_optimizers(ref)
+    model = mlp()
+    placement = _mlp_placement(model, world)
+    for layer in model[::2]:
+        fully_shard(layer, shard_placement_fn=placement)
+    fully_shard(model, shard_placement_fn=placement)
+    ours = _mlp_optimizers(model)
+    named = dict(model.named_parameters())
+    owners = {"0.weight": 0, "2.weight": min(1, world - 1), "4.bias": 0}
+    for name, owner in owners.items():
+        held = named[name].to_local().numel() == named[name].numel()
+        assert held == (rank == owner or world == 1), f"{name} whole on rank {rank}, owner {owner}"
+    if world == 3 and rank == 2:
+        assert not any(named[n].to_local().numel() for n in owners), "rank 2 owns nothing"
+    for step in range(STEPS):
+        batch = mlp_batch(rank, step)
+        ref_loss = _step(ddp, theirs, batch, mlp_loss)
+        loss = _step(model, ours, batch, mlp_loss)
+        if exact:
+            _assert_same([loss], [ref_loss], f"step {step}: loss", exact)
+        else:
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6, msg=f"step {step}: loss")
+    if exact:
+        _assert_same(_full_parameters(model), [p.detach() for p in ref.parameters()], "parameters", exact)
+    owned_bias_state = ours[1].state.get(named["4.bias"], {})
+    assert bool(owned_bias_state) == (rank == 0), "the owned bias has AdamW state on its owner alone"
+
+
+def _check_balancer_spreads_step_cost(rank, world):
+    """``Owned()`` in one unit per matrix: the balance carries over units, largest cost first."""
+    model = nn.Sequential(*(nn.Linear(d, d, bias=False) for d in (32, 32, 16, 16, 8, 8)))
+    for layer in model:
+        fully_shard(layer, shard_placement_fn=lambda p: Owned())
+    fully_shard(model)
+    mine = torch.tensor([float(p.numel() ** 1.5) if p.to_local().numel() else 0.0 for p in model.parameters()])
+    loads = [torch.zeros_like(mine) for _ in range(world)]
+    torch.distributed.all_gather(loads, mine)
+    per_rank = [load.sum().item() for load in loads]
+    largest = max(p.numel() ** 1.5 for p in model.parameters())
+    assert max(per_rank) <= sum(per_rank) / world + largest, f"Newton-Schulz cost per rank {per_rank}"
+    owners = torch.stack(loads).gt(0).long().sum(0)
+    assert owners.tolist() == [1] * len(mine), "each matrix owned by exactly one rank"
+
+
+# ------------------------------------------ mixed precision, no_sync, recompute, meta init
+
+
+def _check_mixed_precision_and_no_sync_match_element_sharding(rank, world):
+    """bf16 compute, fp32 reduction, two micro-batches per step (``no_sync`` on the first):
+    owner-placed matrices get the gradients element-sharded ones get (the same average of the
+    same bf16 products), so AdamW over both trains the same bits at world <= 2."""
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    owned, cut = gpt(), gpt()
+    _shard(owned, _owned_block_matrices(owned), mp_policy=policy)
+    _shard(cut, lambda p: None, mp_policy=policy)
+    pairs = [(m, torch.optim.AdamW(m.parameters(), lr=ADAMW_LR, weight_decay=0.1)) for m in (owned, cut)]
+    for step in range(3):
+        for model, optimizer in pairs:
+            optimizer.zero_grad()
+            with model.no_sync():
+                gpt_loss(model, token_batch(rank, 2 * step)).backward()
+            gpt_loss(model, token_batch(rank, 2 * step + 1)).backward()
+            optimizer.step()
+    a, b = _full_parameters(owned), _full_parameters(cut)
+    assert all(p.dtype == torch.float32 for p in a), "fp32 masters"
+    _assert_same(a, b, "owned against element-sharded, bf16 + no_sync", exact=world <= 2, steps=3)
+
+
+def _reentrant_gpt_class():
+    from torch.utils.checkpoint import checkpoint
+
+    from examples.gpt import GPT
+
+    class ReentrantGPT(GPT):
+        """The test GPT recomputing each block in backward with reentrant checkpointing: the
+        block's forward runs again inside backward, and gathers its owned matrices again."""
+
+        def forward(self, tokens):
+            x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+            for block in self.blocks:
+                x = checkpoint(block, x, use_reentrant=True)
+            return self.head(self.ln(x))
+
+    return ReentrantGPT
+
+
+def _check_recompute_and_meta_init(rank, world):
+    exact = world <= 2
+    ref = gpt()
+    ddp, theirs = DDP(ref), _optimizers(ref.named_parameters())
+    model = _meta_gpt_loaded_from(ref, _reentrant_gpt_class())
+    ours = _optimizers(model.named_parameters())
+    for step in range(3):
+        batch = token_batch(rank, step)
+        ref_loss = _step(ddp, theirs, batch, gpt_loss)
+        loss = _step(model, ours, batch, gpt_loss)
+        if exact:
+            _assert_same([loss], [ref_loss], f"recomputed, step {step}: loss", exact)
+        else:
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6, msg=f"step {step}: loss")
+    if exact:
+        _assert_same(_full_parameters(model), [p.detach() for p in ref.parameters()], "recomputed: parameters", exact)
+
+
+def _meta_gpt_loaded_from(ref, cls):
+    """A GPT of class ``cls`` built on the meta device, sharded with owned matrices,
+    materialised (``to_empty`` + ``reset_parameters``: each owner initialises its own matrices)
+    and then loaded from ``ref``'s full state dict with torch's ``set_model_state_dict``, as
+    Accelerate loads a checkpoint into an FSDP2 model."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    with torch.device("meta"):
+        model = cls(64, 32, 2, 2, 16)
+    _shard(model, _owned_block_matrices(model))
+    model.to_empty(device=ref.tok.weight.device)
+    for module in model.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    set_model_state_dict(model, ref.state_dict(), options=StateDictOptions(full_state_dict=True))
+    for a, b in zip(_full_parameters(model), ref.parameters()):
+        assert torch.equal(a, b.detach()), "loaded from the full state dict"
+    return model
+
+
+# ------------------------------------------------------------------------------ refusals
+
+
+def _check_refusals(rank, world):
+    from tests._models import mlp
+
+    model = mlp()
+    with pytest.raises(ValueError, match=r"rank 0: fully_shard\(shard_placement_fn=...\) returned Owned\(rank=1, cost=None\) for parameter weight: the owner must be a rank of the shard group, 0..0"):
+        fully_shard(model[0], shard_placement_fn=lambda p: Owned(world) if p.dim() == 2 else None)
+    with pytest.raises(ValueError, match="cost must be a finite number"):
+        fully_shard(model[0], shard_placement_fn=lambda p: Owned(cost=float("nan")))
+    fully_shard(model[0], shard_placement_fn=lambda p: Owned(0) if p.dim() == 2 else None)
+    with pytest.raises(NotImplementedError, match=r"set_all_reduce_hook: parameter .*weight is owner-placed"):
+        model[0].set_all_reduce_hook(lambda t: None)
+
+
+def _check_placements(rank, world):
+    _check_explicit_owners_and_a_rank_owning_nothing(rank, world)
+    _check_balancer_spreads_step_cost(rank, world)
+    _check_mixed_precision_and_no_sync_match_element_sharding(rank, world)
+    _check_recompute_and_meta_init(rank, world)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_owners_explicit_or_balanced_other_shapes_mixed_precision_no_sync_recompute_and_meta_init(world_size):
+    run_on_ranks(_check_placements, world_size, timeout=180)
+
+
+def test_bad_owner_placements_and_settings_that_do_not_apply_are_refused():
+    run_on_ranks(_check_refusals, 1)
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def _net():
+    """A net whose last layer has 4 rows: at world 3 one rank holds none of its element-sharded
+    rows (and nothing of its optimizer state)."""
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 24), nn.ReLU(), nn.Linear(24, 8), nn.ReLU(), nn.Linear(8, 4))
+
+
+def _net_batch(rank, step):
+    g = torch.Generator().manual_seed(40_000 + 100 * step + rank)
+    return torch.randn(6, 16, generator=g), torch.randn(6, 4, generator=g)
+
+
+def _net_loss(model, batch):
+    x, y = batch
+    return F.mse_loss(model(x), y)
+
+
+def _build_net(layout):
+    """(model to train and checkpoint, Muon + AdamW): ``owned`` (every weight whole on an owner),
+    ``cut`` (ZeRO-3, element-sharded), or ``ddp``."""
+    model = _net()
+    if layout in ("owned", "cut"):
+        placement = (lambda p: Owned() if p.dim() == 2 else None) if layout == "owned" else None
+        for layer in model[::2]:
+            fully_shard(layer, shard_placement_fn=placement)
+        fully_shard(model, shard_placement_fn=placement)
+    weights = [p for p in model.parameters() if p.dim() == 2]
+    biases = [p for p in model.parameters() if p.dim() != 2]
+    optimizers = [torch.optim.Muon(weights, lr=MUON_LR), torch.optim.AdamW(biases, lr=ADAMW_LR)]
+    return (DDP(model) if layout == "ddp" else model), optimizers
+
+
+def _assert_full_states_equal(ours, reference, what):
+    assert ours["model"].keys() == reference["model"].keys(), what
+    for key, value in reference["model"].items():
+        assert torch.equal(ours["model"][key], value), f"{what}: model {key}"
+    for mine, theirs in zip(ours["optim"], reference["optim"]):
+        assert mine["param_groups"] == theirs["param_groups"], what
+        assert mine["state"].keys() == theirs["state"].keys(), f"{what}: {mine['state'].keys()} {theirs['state'].keys()}"
+        for index, state in theirs["state"].items():
+            for key, value in state.items():
+                assert torch.equal(mine["state"][index][key], value), f"{what}: optimizer state {index}/{key}"
+
+
+def _save_owned_at_world(rank, world, directory):
+    """Train owned and DDP side by side; the full form of the owned one (owned state gathered from
+    the owners) is DDP's, bit for bit; save the sharded checkpoint and, on rank 0, the full form."""
+    owned, ours = _build_net("owned")
+    ddp, theirs = _build_net("ddp")
+    for step in range(3):
+        batch = _net_batch(rank, step)
+        _step(ddp, theirs, batch, _net_loss)
+        _step(owned, ours, batch, _net_loss)
+    full = checkpoint.get_state_dict(owned, ours, full=True)
+    reference = checkpoint.get_state_dict(ddp, theirs, full=True)
+    state = checkpoint.get_state_dict(owned, ours)
+    held = [fqn for fqn, s in state["optim"]["state"].items() if s]
+    assert all(state["model"][fqn].to_local().numel() for fqn in held if state["model"][fqn].dim() == 2), "state of another rank's matrix"
+    checkpoint.save(state, directory / "step-3")
+    if rank == 0:
+        _assert_full_states_equal(full, reference, "owned at world 2, full form, against DDP's")
+        torch.save(full, directory / "full.pt")
+
+
+def _load_into_every_layout(rank, world, directory):
+    reference = torch.load(directory / "full.pt", weights_only=True) if rank == 0 else None
+    for layout in ("owned", "cut", "ddp"):
+        model, optimizers = _build_net(layout)
+        state = checkpoint.get_state_dict(model, optimizers)
+        checkpoint.load(state, directory / "step-3")
+        checkpoint.set_state_dict(model, optimizers, state)
+        full = checkpoint.get_state_dict(model, optimizers, full=True)
+        if rank == 0:
+            _assert_full_states_equal(full, reference, f"saved owned at world 2, loaded {layout} at world {world}")
+
+
+def test_owned_checkpoints_save_at_world_2_and_load_at_world_3_into_owned_cut_and_ddp(tmp_path):
+    run_on_ranks(_save_owned_at_world, 2, tmp_path, timeout=180)
+    run_on_ranks(_load_into_every_layout, 3, tmp_path, timeout=180)

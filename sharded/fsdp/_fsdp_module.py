@@ -150,7 +150,10 @@ class FSDPModule(TorchFSDPModule):
         """Hybrid sharding: ``False`` reduce-scatters within the shard group now and keeps the
         result, deferring the all-reduce across replicas to the next backward with ``True``
         (gradients land in ``.grad`` then). No effect on a 1-D mesh."""
-        for unit in self._fsdp_units(recurse):
+        units = self._fsdp_units(recurse)
+        if not requires_all_reduce:
+            _refuse_for_owned([u for u in units if u.mesh_info.replicate_group is not None], "set_requires_all_reduce(False)")
+        for unit in units:
             unit.settings.requires_all_reduce = requires_all_reduce
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
@@ -240,6 +243,7 @@ class FSDPModule(TorchFSDPModule):
         ordered after the reduction and before the gradient lands. On the CPU a stream orders
         nothing (``torch.cpu.Stream``), so the hook simply runs there, as in torch."""
         unit = self._fsdp_unit()
+        _refuse_for_owned([unit], "set_all_reduce_hook")
         if stream is not None and unit.mesh_info.replicate_group is not None:
             raise ValueError(on_rank("stream cannot be set when using native HSDP"))
         unit.settings.all_reduce_hook = hook
@@ -248,11 +252,13 @@ class FSDPModule(TorchFSDPModule):
     def set_custom_all_gather(self, comm: Any) -> None:
         """Gather this unit's parameters with ``comm`` (a ``torch.distributed.fsdp.AllGather``:
         ``allocate`` for the output buffer, then the collective)."""
+        _refuse_for_owned([self._fsdp_unit()], "set_custom_all_gather")
         self._fsdp_unit().settings.custom_all_gather = comm
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
         """Reduce-scatter this unit's gradients with ``comm`` (a
         ``torch.distributed.fsdp.ReduceScatter``)."""
+        _refuse_for_owned([self._fsdp_unit()], "set_custom_reduce_scatter")
         self._fsdp_unit().settings.custom_reduce_scatter = comm
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
@@ -281,6 +287,17 @@ class FSDPModule(TorchFSDPModule):
         finally:
             for unit, (sync, all_reduce) in zip(units, previous):
                 unit.settings.requires_gradient_sync, unit.settings.requires_all_reduce = sync, all_reduce
+
+
+def _refuse_for_owned(units: list[Unit], what: str) -> None:
+    """``what`` acts on the reduce-scatter and all-gather of element-sharded parameters; a unit
+    with owner-placed ones (``Owned``) broadcasts those from their owner and reduces onto it."""
+    owned = [sp.fqn for unit in units for sp in unit.params if sp.owner is not None]
+    if owned:
+        raise NotImplementedError(on_rank(
+            f"{what}: parameter {owned[0]} is owner-placed (sharded.fsdp.Owned): it is broadcast from its owner and "
+            "its gradient reduced onto it, which this setting does not apply to; sharded refuses it for such units"
+        ))
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

@@ -170,9 +170,11 @@ class GradientReducer:
         mirror image, and for owner-placed parameters reduced onto their owners. Empties
         ``grads`` once packed: the full gradients are freed before the collectives run."""
         settings = self._reduce_settings(dtype)
-        self._streams.reduce_scatter_after_compute([g for g in grads if g is not None])
         cut = [(sp, g) for sp, g in zip(params, grads) if sp.owner is None]
         owned = [(sp, g) for sp, g in zip(params, grads) if sp.owner is not None]
+        if owned:
+            _check_owned_can_reduce(owned[0][0], settings)  # before any collective starts
+        self._streams.reduce_scatter_after_compute([g for g in grads if g is not None])
         grads.clear()
         parts: list[Any] = []
         with self._streams.on_reduce_scatter(), record_function(labels.reduce_scatter):
@@ -202,16 +204,6 @@ class GradientReducer:
                      settings: ReduceSettings) -> OwnedReduction:
         """Reduce owner-placed gradients onto their owners, scaled as the reduce-scatter is."""
         info = self._mesh_info
-        refused = [what for what, asked in (
-            ("set_custom_reduce_scatter", settings.comm is not None),
-            ("set_all_reduce_hook", settings.hook is not None),
-            ("set_requires_all_reduce(False)", settings.replicate_group is not None and not settings.all_reduce_now),
-        ) if asked]
-        if refused:
-            raise NotImplementedError(on_rank(
-                f"{refused[0]}: this unit has owner-placed parameters (sharded.fsdp.Owned, e.g. {pairs[0][0].fqn}), "
-                "whose gradients are reduced onto their owners; it applies to element-sharded parameters only"
-            ))
         group = self._settings.reduce_scatter_group or info.shard_group
         params, grads = [sp for sp, _ in pairs], [g for _, g in pairs]
         pairs.clear()
@@ -243,6 +235,21 @@ class GradientReducer:
 
     def _keep_partial(self, scattered: torch.Tensor) -> None:
         self._partial = scattered
+
+
+def _check_owned_can_reduce(sp: ShardedParam, settings: ReduceSettings) -> None:
+    """The unit's module methods refuse these settings for a unit with owner-placed parameters;
+    this catches them set on the settings directly."""
+    refused = [what for what, asked in (
+        ("set_custom_reduce_scatter", settings.comm is not None),
+        ("set_all_reduce_hook", settings.hook is not None),
+        ("set_requires_all_reduce(False)", settings.replicate_group is not None and not settings.all_reduce_now),
+    ) if asked]
+    if refused:
+        raise NotImplementedError(on_rank(
+            f"{refused[0]}: this unit has owner-placed parameters (sharded.fsdp.Owned, e.g. {sp.fqn}), whose "
+            "gradients are reduced onto their owners; it applies to element-sharded parameters only"
+        ))
 
 
 class UnitReduction:
