@@ -448,3 +448,39 @@ def _load_into_every_layout(rank, world, directory):
 def test_owned_checkpoints_save_at_world_2_and_load_at_world_3_into_owned_cut_and_ddp(tmp_path):
     run_on_ranks(_save_owned_at_world, 2, tmp_path, timeout=180)
     run_on_ranks(_load_into_every_layout, 3, tmp_path, timeout=180)
+
+
+# ---------------------------------------------------------------------- hybrid sharding
+
+
+def _check_hybrid(rank, world):
+    """A (replicate 2, shard 2) mesh: each replica row has an owner of each matrix (the ranks at
+    the same shard index), which gets its row's gradient and averages it with the other row's
+    owner. Four terms are summed in other orders than DDP's: world 3's bounds."""
+    from sharded.fsdp._placement.mesh import hybrid_mesh
+    from tests._models import mlp
+
+    mesh = hybrid_mesh(2)
+    ref = mlp()
+    ddp, theirs = DDP(ref), _mlp_optimizers(ref)
+    model = mlp()
+    placement = lambda p: Owned() if p.dim() == 2 else None  # noqa: E731
+    for layer in model[::2]:
+        fully_shard(layer, mesh=mesh, shard_placement_fn=placement)
+    fully_shard(model, mesh=mesh, shard_placement_fn=placement)
+    ours = _mlp_optimizers(model)
+    for name, p in model.named_parameters():
+        if p.dim() == 2:
+            holders = [int(r) for r in p.device_mesh.mesh.flatten()]
+            assert len(holders) == 2 and holders[1] - holders[0] == 2, f"{name} held by {holders}: one per row"
+    for step in range(STEPS):
+        batch = mlp_batch(rank, step)
+        ref_loss = _step(ddp, theirs, batch, mlp_loss)
+        loss = _step(model, ours, batch, mlp_loss)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6, msg=f"step {step}: loss")
+    mine, expected = _full_parameters(model), [p.detach() for p in ref.parameters()]
+    _assert_same(mine, expected, "hybrid: parameters", exact=False, lr=MUON_LR)
+
+
+def test_hybrid_sharding_keeps_an_owner_per_replica_row_and_matches_ddp():
+    run_on_ranks(_check_hybrid, 4, timeout=180)
