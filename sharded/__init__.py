@@ -8,6 +8,8 @@ API) and ``FullyShardedDataParallel`` (FSDP1's) also shard the parameters (layer
 across shards. ``sharded.checkpoint`` saves and loads sharded, resharding checkpoints for every
 layer; ``sharded.lightning`` (optional) offers all three as Lightning strategies.
 ``estimate_memory`` and ``plan`` say what each stage holds per rank, and which fit a budget.
+``newton_schulz_cost`` is the step cost ``OSS`` balances for Muon (pass your own as
+``param_cost``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from .grad_scaler import ShardedGradScaler
 from .oss import OSS
 from .sharded_ddp import ShardedDataParallel
 from ._memory.estimate import MemoryEstimate, estimate_memory
+from ._owners.step_cost import newton_schulz_cost
 from .fsdp import __getattr__ as _fsdp_getattr
 
 __version__ = "0.1.0"
@@ -33,6 +36,7 @@ __all__ = [
     "MemoryEstimate",
     "estimate_memory",
     "plan",
+    "newton_schulz_cost",
     "__version__",
 ]
 

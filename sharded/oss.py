@@ -25,34 +25,39 @@ from ._common.norm import clip_by_global_norm
 from ._common.optimizers import hyperparams
 from ._owners.broadcaster import ParamBroadcaster
 from ._owners.optim_state import consolidated_state_dict, restore_state, snapshot_shard, states_by_param
-from ._owners.partition import Partition
+from ._owners.partition import Balance, Partition
+from ._owners.step_cost import ParamCost, bytes_cost, default_param_cost, param_costs
 
-__all__ = ["OSS", "imbalance"]
+__all__ = ["OSS", "Balance", "imbalance"]
 
 logger = logging.getLogger(__name__)
 
-IMBALANCE_WARNING = 1.25  # largest rank's trainable bytes over an even share
+IMBALANCE_WARNING = 1.25  # busiest rank's trainable bytes (or step cost) over an even share
 
 
 def imbalance(partition: Partition) -> float:
     """The largest rank's trainable bytes over an even share (1.0: perfectly even)."""
-    loads = partition.trainable_bytes_per_rank()
-    total = sum(loads)
-    return max(loads) * len(loads) / total if total else 1.0
-
+    return partition.balance().bytes
 
 
 class OSS(Optimizer):
     """Wraps any ``torch.optim.Optimizer`` class so that each rank keeps only its shard of
     the optimizer state (ZeRO stage 1), with fairscale's ``OSS`` interface.
 
-    The parameters are split into per-rank partitions, balanced by size (largest first onto the
-    least-loaded rank; frozen parameters are balanced apart so they never skew it). Each rank
-    builds the wrapped optimizer over its own partition only, so optimizer state memory per rank
-    is about ``1 / world_size`` of the total. As with any torch optimizer, a parameter is stepped
-    iff it has a gradient, whatever its ``requires_grad`` (a frozen parameter whose gradient was
-    zeroed with ``set_to_none=False`` still moves under momentum or weight decay); parameters
-    that cannot have one, such as integer tables, are carried along and never stepped.
+    The parameters are split into per-rank partitions, balanced by their step cost (costliest
+    first onto the least-loaded rank; frozen parameters are balanced apart so they never skew
+    it). The cost is a parameter's bytes, which both an element-wise optimizer's state and its
+    step time scale with, unless ``param_cost`` says otherwise; for ``torch.optim.Muon`` it is
+    the Newton-Schulz cost of each matrix (:func:`sharded.newton_schulz_cost`), so that the
+    ranks share the orthogonalisations evenly. Each parameter is stepped whole by its owner, so
+    optimizers that need whole matrices (Muon, Adafactor's factored moments, one's own) give
+    DDP's results. Each rank builds the wrapped optimizer over its own partition only, so
+    optimizer state memory per rank is about ``1 / world_size`` of the total (:attr:`balance`
+    says how close the busiest rank is to an even share). As with any torch optimizer, a
+    parameter is stepped iff it has a gradient, whatever its ``requires_grad`` (a frozen
+    parameter whose gradient was zeroed with ``set_to_none=False`` still moves under momentum or
+    weight decay); parameters that cannot have one, such as integer tables, are carried along
+    and never stepped.
 
     After every ``step()`` the owners broadcast the updated parameters in flat buckets. The
     trainable parameters live in those buckets (their ``.data`` is a view of one), so nothing is
@@ -75,6 +80,11 @@ class OSS(Optimizer):
             non-owners see values rounded to fp16, owners keep the exact ones).
         force_broadcast_object: accepted for fairscale compatibility and has no effect: state
             always travels as tensors here.
+        param_cost: keyword-only: the cost of stepping a parameter, a finite number >= 0 that
+            the partition balances across ranks, e.g. ``lambda p: sharded.newton_schulz_cost(p.shape)``.
+            It must give every rank the same numbers (compute it from shapes, not values).
+            Default: Newton-Schulz cost if ``optim`` is (a subclass of) ``torch.optim.Muon``,
+            else the parameter's bytes.
         **defaults: hyperparameters for ``optim`` (``lr``, ``momentum``, ...).
     """
 
@@ -88,6 +98,8 @@ class OSS(Optimizer):
         broadcast_buffer_size: int = DEFAULT_BUCKET_NUMEL,
         broadcast_fp16: bool = False,
         force_broadcast_object: bool = False,
+        *,
+        param_cost: Optional[ParamCost] = None,
         **defaults: Any,
     ) -> None:
         check_optimizer_class(optim)
@@ -104,10 +116,14 @@ class OSS(Optimizer):
         self.force_broadcast_object = force_broadcast_object
         self._consolidated: Optional[dict[int, Any]] = None  # global index -> state, on recipients
         self._warned_trainability_change = False
+        if param_cost is not None and not callable(param_cost):
+            raise TypeError(on_rank(f"param_cost must be a function of a parameter, got {param_cost!r:.80}", self.rank))
+        # What the partition balances (see the class docstring); also used by add_param_group.
+        self.param_cost: ParamCost = param_cost if param_cost is not None else default_param_cost(optim)
 
         super().__init__(as_param_groups(params, self.rank), defaults)
         self._check_same_params_on_all_ranks()
-        partition = Partition.build([g["params"] for g in self.param_groups], self.world_size)
+        partition = self._build_partition()
         owned = partition.owned_by_group(self.rank)
         self.optim = optim(
             [{**hyperparams(g), "params": mine} for g, mine in zip(self.param_groups, owned)],
@@ -124,6 +140,13 @@ class OSS(Optimizer):
     def partition(self) -> Partition:
         """The current assignment of parameters to ranks (read-only)."""
         return self._partition
+
+    @property
+    def balance(self) -> Balance:
+        """How far the busiest rank is from an even share, of the trainable parameters' bytes
+        (optimizer state) and of their step cost (see ``param_cost``): each the busiest rank's
+        share times ``world_size``, 1.00 being even."""
+        return self._partition.balance()
 
     def partition_parameters(self) -> list[list[dict[str, Any]]]:
         """For each rank, the param groups its optimizer steps (groups may be empty)."""
@@ -242,7 +265,9 @@ class OSS(Optimizer):
         if not hasattr(self, "_partition"):  # Optimizer.__init__ adding the initial groups
             return
         self._check_same_params_on_all_ranks()
-        partition = self._partition.with_group(self.param_groups[-1]["params"])
+        new_params = self.param_groups[-1]["params"]
+        costs = param_costs([new_params], self.param_cost, self.rank, first_group=len(self.param_groups) - 1)
+        partition = self._partition.with_group(new_params, costs)
         mine = partition.owned_by_group(self.rank)[-1]
         self.optim.add_param_group({**hyperparams(self.param_groups[-1]), "params": mine})
         self._install(partition)
@@ -256,9 +281,14 @@ class OSS(Optimizer):
         stay identical. ``step()`` calls this itself when it sees a change.
         """
         self._check_same_params_on_all_ranks()
-        new = Partition.build([g["params"] for g in self.param_groups], self.world_size)
+        new = self._build_partition()
         self._move_state_to_owners(new)
         self._install(new)
+
+    def _build_partition(self) -> Partition:
+        """Every param group placed afresh, by ``param_cost``."""
+        groups = [g["params"] for g in self.param_groups]
+        return Partition.build(groups, self.world_size, param_costs(groups, self.param_cost, self.rank))
 
     def _install(self, partition: Partition) -> None:
         """Make ``partition`` current: the inner optimizer's param lists and the broadcast plan."""
@@ -270,17 +300,16 @@ class OSS(Optimizer):
 
     def _warn_if_imbalanced_once(self, partition: Partition) -> None:
         """Whole parameters cannot be split: a large one (an embedding) can leave one rank far
-        above an even share of the optimizer state, however many ranks there are."""
-        ratio = imbalance(partition)
-        if ratio > IMBALANCE_WARNING and not getattr(self, "_warned_imbalance", False):
+        above an even share of the optimizer state, or of the step's work (a large square matrix
+        under Muon), however many ranks there are."""
+        if getattr(self, "_warned_imbalance", False):
+            return
+        balance = partition.balance()
+        by_bytes = self.param_cost is bytes_cost
+        off = _uneven_bytes(balance, self.world_size, by_bytes) + ([] if by_bytes else _uneven_cost(balance))
+        if off:
             self._warned_imbalance = True
-            logger.warning(
-                "OSS: the largest rank holds %.2fx an even share of the optimizer state (its "
-                "largest parameters cannot be split across %d ranks); FullyShardedDataParallel "
-                "with ShardingStrategy.SHARD_GRAD_OP shards every parameter element-wise",
-                ratio,
-                self.world_size,
-            )
+            logger.warning("OSS: %s", "; ".join(off))
 
     def _move_state_to_owners(self, new: Partition) -> None:
         """Send what this rank keeps for parameters that ``new`` gives to another rank: their
@@ -424,3 +453,26 @@ class OSS(Optimizer):
                 "refresh_trainable() after changing requires_grad to do this explicitly."
             )
             self._warned_trainability_change = True
+
+
+def _uneven_bytes(balance: Balance, world_size: int, by_bytes: bool) -> list[str]:
+    """The warning's words on the optimizer state's bytes, if they are over the threshold."""
+    if balance.bytes <= IMBALANCE_WARNING:
+        return []
+    share = f"the busiest rank holds {balance.bytes:.2f}x an even share of the optimizer state"
+    if not by_bytes:
+        return [f"{share} (the partition balances step costs, not bytes)"]
+    return [
+        f"{share} (its largest parameters cannot be split across {world_size} ranks); "
+        "FullyShardedDataParallel with ShardingStrategy.SHARD_GRAD_OP shards every parameter element-wise"
+    ]
+
+
+def _uneven_cost(balance: Balance) -> list[str]:
+    """The warning's words on the step cost (``param_cost``), if it is over the threshold."""
+    if balance.cost <= IMBALANCE_WARNING:
+        return []
+    return [
+        f"the busiest rank's step costs {balance.cost:.2f}x an even share (param_cost; each "
+        "parameter is stepped whole by one rank, so the costliest ones set the step's time)"
+    ]

@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from .._owners.step_cost import default_param_cost
 from .layout import RUNTIME_BYTES, STAGE_NAMES
 from .trial import ActivationProfile, activation_trial, optimizer_trial
 
@@ -127,7 +128,7 @@ def estimate_memory(
     else:
         from .replicated import replicated_layout
 
-        layout = replicated_layout(model, world_size, stage, profile, activations, device)
+        layout = replicated_layout(model, world_size, stage, profile, activations, device, default_param_cost(optimizer))
     trial = optimizer_trial(optimizer, kwargs, layout.optimizer_shapes)
     # the peak backward is a later step's, by when the process has paid its runtime bytes
     backward = layout.parameters + trial.state_bytes + layout.backward_bytes + runtime_bytes

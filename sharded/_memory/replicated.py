@@ -20,6 +20,7 @@ from .._common.flat import DEFAULT_BUCKET_NUMEL, plan_buckets
 from .._common.in_flight import MAX_SENDS_IN_FLIGHT, InFlight
 from .._owners.partition import Partition
 from .._owners.reduce_plan import ReduceBucket, plan_reduce_buckets
+from .._owners.step_cost import ParamCost, bytes_cost, param_costs
 from .layout import DDP_BUCKET_BYTES, Layout
 from .trial import ActivationProfile
 
@@ -28,12 +29,14 @@ __all__ = ["replicated_layout"]
 
 def replicated_layout(
     model: nn.Module, world: int, stage: int, profile: Optional[ActivationProfile], declared_activations: int,
-    device: torch.device,
+    device: torch.device, param_cost: ParamCost = bytes_cost,
 ) -> Layout:
     """The busiest rank's layout at ``stage`` 0 (DDP), 1 (DDP + ``OSS``) or 2 (``ShardedDataParallel``).
 
     ``backward_bytes`` includes the activations: walked over ``profile`` when there is one, else
     ``declared_activations`` added to everything the stage holds at the end of backward.
+    ``param_cost``: what ``OSS`` balances for the optimizer (its ``param_cost``), so that the
+    partition walked is the one it builds; the busiest rank is the one with the most bytes.
     """
     all_params = list(model.parameters())
     params = [p for p in all_params if p.requires_grad]
@@ -45,7 +48,7 @@ def replicated_layout(
     if stage == 0:
         shapes, calls, share = [(p.shape, p.dtype) for p in params], 0, 1.0
     else:
-        partition = Partition.build([list(params)], world)
+        partition = Partition.build([list(params)], world, param_costs([params], param_cost, group_rank=0))
         loads = partition.trainable_bytes_per_rank()
         busiest = max(range(world), key=loads.__getitem__)
         owned = [params[i] for i in partition.owned_indices(busiest, trainable_only=True)]

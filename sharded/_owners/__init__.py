@@ -2,6 +2,8 @@
 
 - :mod:`.partition`: which rank owns which parameter, balanced (a frozen plan, rebuilt and
   swapped in when the trainable set or the param groups change).
+- :mod:`.step_cost`: what each parameter weighs in that balance: its bytes, or its step cost
+  (Newton-Schulz for Muon's whole matrices, or the user's ``param_cost``).
 - :mod:`.optim_state`: each owner's optimizer-state shard, and the full state dict assembled from
   and split into shards.
 - :mod:`.reduce_plan`, :mod:`.reduce_pass`: the gradient buckets, each reduced to its owner, and

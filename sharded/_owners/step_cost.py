@@ -1,0 +1,87 @@
+"""What a parameter costs its owner at each step: the weight the partition balances.
+
+Layers 1-2 give every parameter whole to one owner, so the owner's step time is the sum of its
+parameters' step costs. For an element-wise optimizer (SGD, Adam) that cost, like the state it
+keeps, grows with the parameter's bytes. A whole-matrix optimizer is different: Muon
+orthogonalises each m x n update with Newton-Schulz iterations, a few matrix products of about
+``m * n * min(m, n)`` multiply-adds each, so a square matrix costs far more per byte than a tall,
+thin one; balancing bytes would leave the rank holding the square ones doing most of the work.
+
+Costs are computed from shapes (or by a user's function of the parameter), so every rank
+computes the same ones and the partitions agree without communication.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch.optim import Optimizer
+
+from .._common.errors import on_rank
+
+__all__ = ["ParamCost", "bytes_cost", "newton_schulz_cost", "default_param_cost", "param_costs"]
+
+ParamCost = Callable[[torch.Tensor], float]
+
+
+def bytes_cost(param: torch.Tensor) -> int:
+    """The parameter's bytes: what an element-wise optimizer's state and step scale with."""
+    return param.numel() * param.element_size()
+
+
+def newton_schulz_cost(shape: Sequence[int]) -> int:
+    """The relative cost of orthogonalising an update of ``shape`` by Newton-Schulz (Muon).
+
+    An m x n matrix costs ``m * n * min(m, n)`` (each iteration multiplies by the Gram matrix of
+    the shorter side); a tensor with more dimensions is a batch of matrices over its last two,
+    so the product of its leading dimensions times that; a 0-D or 1-D tensor, which such
+    optimizers step element-wise, its number of elements. Only ratios matter: the constant (the
+    number of iterations, the multiply-adds per product) is the same for every matrix.
+    """
+    dims = [int(d) for d in shape]
+    if len(dims) < 2:
+        return math.prod(dims)
+    rows, cols = dims[-2], dims[-1]
+    return math.prod(dims[:-2]) * rows * cols * min(rows, cols)
+
+
+def _muon() -> Optional[type[Optimizer]]:
+    return getattr(torch.optim, "Muon", None)
+
+
+def default_param_cost(optim: type[Optimizer]) -> ParamCost:
+    """The cost ``OSS`` balances when the user gives none: Newton-Schulz cost for (a subclass
+    of) ``torch.optim.Muon``, bytes for every other optimizer."""
+    muon = _muon()
+    if muon is not None and issubclass(optim, muon):
+        return lambda param: newton_schulz_cost(param.shape)
+    return bytes_cost
+
+
+def param_costs(
+    param_groups: Sequence[Sequence[torch.Tensor]], cost: ParamCost, group_rank: int, first_group: int = 0
+) -> tuple[float, ...]:
+    """``cost`` of every parameter of ``param_groups``, in order, each checked to be a finite
+    number >= 0. ``first_group`` is the index of ``param_groups[0]`` among all the optimizer's
+    groups, for messages; ``group_rank`` is the rank that raises."""
+    return tuple(
+        _checked(cost(p), f"param group {first_group + g}, parameter {i} (shape {tuple(p.shape)})", group_rank)
+        for g, group in enumerate(param_groups)
+        for i, p in enumerate(group)
+    )
+
+
+def _checked(value: object, where: str, group_rank: int) -> float:
+    """``value`` as a float, or an error naming the parameter it was computed for."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            on_rank(f"param_cost returned {value!r} for {where}; it must return a number (an int or float)", group_rank)
+        )
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(
+            on_rank(f"param_cost returned {value!r} for {where}; it must return a finite number >= 0", group_rank)
+        )
+    return float(value)
