@@ -21,7 +21,7 @@ from .grad_scaler import ShardedGradScaler
 from .oss import OSS
 from .sharded_ddp import ShardedDataParallel
 from ._memory.estimate import MemoryEstimate, estimate_memory
-from ._owners.step_cost import newton_schulz_cost
+from ._common.step_cost import newton_schulz_cost
 from .fsdp import __getattr__ as _fsdp_getattr
 
 __version__ = "0.1.0"

@@ -17,12 +17,13 @@ __all__ = ["newton_schulz_cost"]
 
 
 def newton_schulz_cost(shape: Sequence[int]) -> int:
-    """The relative cost of a Newton–Schulz step (Muon's) on a tensor of ``shape``.
+    """The relative cost of orthogonalising an update of ``shape`` by Newton–Schulz (Muon).
 
-    ``m * n * min(m, n)`` for an ``m x n`` matrix; a tensor of more dims counts as a stack of
-    matrices over its last two (``prod(leading) * m * n * min(m, n)``, as a batched Muon steps
-    stacked experts); a 0-dim or 1-dim tensor, which no such optimizer orthogonalises, counts its
-    elements.
+    An ``m x n`` matrix costs ``m * n * min(m, n)`` (each iteration multiplies by the Gram matrix
+    of the shorter side); a tensor of more dims is a stack of matrices over its last two, so the
+    product of its leading dims times that (as a batched Muon steps stacked experts); a 0-dim or
+    1-dim tensor, which such optimizers step element-wise, its number of elements. Only ratios
+    matter: the constant (iterations, multiply-adds per product) is the same for every matrix.
     """
     dims = [int(d) for d in shape]
     if len(dims) < 2:

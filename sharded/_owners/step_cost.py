@@ -21,8 +21,9 @@ import torch
 from torch.optim import Optimizer
 
 from .._common.errors import on_rank
+from .._common.step_cost import newton_schulz_cost
 
-__all__ = ["ParamCost", "bytes_cost", "newton_schulz_cost", "default_param_cost", "param_costs"]
+__all__ = ["ParamCost", "bytes_cost", "default_param_cost", "param_costs"]
 
 ParamCost = Callable[[torch.Tensor], float]
 
@@ -30,22 +31,6 @@ ParamCost = Callable[[torch.Tensor], float]
 def bytes_cost(param: torch.Tensor) -> int:
     """The parameter's bytes: what an element-wise optimizer's state and step scale with."""
     return param.numel() * param.element_size()
-
-
-def newton_schulz_cost(shape: Sequence[int]) -> int:
-    """The relative cost of orthogonalising an update of ``shape`` by Newton-Schulz (Muon).
-
-    An m x n matrix costs ``m * n * min(m, n)`` (each iteration multiplies by the Gram matrix of
-    the shorter side); a tensor with more dimensions is a batch of matrices over its last two,
-    so the product of its leading dimensions times that; a 0-D or 1-D tensor, which such
-    optimizers step element-wise, its number of elements. Only ratios matter: the constant (the
-    number of iterations, the multiply-adds per product) is the same for every matrix.
-    """
-    dims = [int(d) for d in shape]
-    if len(dims) < 2:
-        return math.prod(dims)
-    rows, cols = dims[-2], dims[-1]
-    return math.prod(dims[:-2]) * rows * cols * min(rows, cols)
 
 
 def _muon() -> Optional[type[Optimizer]]:
