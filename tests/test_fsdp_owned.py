@@ -149,10 +149,13 @@ def _assert_within_bf16_rounding(model, ref):
 def _check_clipping_counts_owned_gradients_once(model, ref):
     """``sharded.fsdp.clip_grad_norm_`` takes the norm over every gradient, each owned one once,
     and clips each by it: torch's norm and clipped gradients on DDP, to float32 rounding (the
-    squares are summed in another order, so the clip factor may differ in its last bit)."""
+    squares are summed in another order, so the clip factor may differ in its last bit). torch's
+    ``clip_grad_norm_`` over a model with owned parameters is routed to it."""
     names = [n for n, _ in model.named_parameters()]
-    norm = clip_grad_norm_(model.parameters(), MAX_NORM)
+    unclipped = clip_grad_norm_(model.parameters(), float("inf"))  # sharded's: the norm, nothing scaled
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)  # torch's name, routed to sharded's
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+    assert torch.equal(norm, unclipped), "torch's clip_grad_norm_ over owned parameters is sharded's"
     torch.testing.assert_close(norm, ref_norm, rtol=1e-6, atol=0, msg="global norm")
     assert norm > MAX_NORM, "the check must clip"
     for name, p, q in zip(names, model.parameters(), ref.parameters()):

@@ -19,7 +19,8 @@ Modules, FSDP2's split of API / state / param / group / collectives:
 - ``_settings`` (a unit's settings), ``_unit`` (a unit's lifecycle), ``_hooks`` (autograd plumbing,
   the backward tracker), ``_state`` (drives a unit from its module's hooks and reaches the root),
   ``_root`` (model-wide duties: order, prefetch, end of backward), ``_fsdp_module`` (``FSDPModule``'s
-  methods), ``_full_params``, ``_grad_norm``.
+  methods), ``_full_params``, ``_grad_norm`` (and ``_torch_clip``: torch's ``clip_grad_norm_``
+  routed to it for owner-placed parameters).
 - ``_placement/``: the mesh a unit shards over and the DTensor layout of its shards; ``owned``
   (``Owned``: a parameter kept whole on one rank), whose storage, broadcasts and reduces onto the
   owner are ``_owned``.

@@ -1,0 +1,61 @@
+"""``torch.nn.utils.clip_grad_norm_`` over owner-placed parameters, counted as sharded counts them.
+
+torch's function takes the norm through DTensor ops: an owner-placed gradient (``Owned``) lives
+on its owner's mesh alone, so on a rank that also holds element-sharded gradients torch refuses
+to stack norms from two meshes, and on a rank whose gradients are all its own owned ones it
+would clip by the norm of those alone, silently, while the other ranks clip by theirs. Once a
+model places a parameter ``Owned()``, torch's name (``torch.nn.utils.clip_grad_norm_``, and
+``torch.nn.utils.clip_grad.clip_grad_norm_`` which its deprecated alias calls) is routed here:
+parameters that include an owner-placed one go to :func:`sharded.fsdp.clip_grad_norm_` (the
+global norm, each owned gradient once), everything else to torch's own function unchanged. The
+decision reads the parameters, which are the same on every rank, never the gradients, so every
+rank takes the same path. Code that imported the function by value before the first ``Owned``
+placement keeps torch's; call ``sharded.fsdp.clip_grad_norm_`` there.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any, Iterable, Optional, Union
+
+import torch
+import torch.nn.utils
+import torch.nn.utils.clip_grad as torch_clip_grad
+
+from .._common.dtensors import whole_on_group
+from ._grad_norm import clip_grad_norm_ as sharded_clip_grad_norm_
+
+__all__ = ["route_torch_clip_for_owned"]
+
+_lock = threading.Lock()
+_routed = False
+
+
+def route_torch_clip_for_owned() -> None:
+    """Route torch's ``clip_grad_norm_`` (once per process) as the module docstring says."""
+    global _routed
+    with _lock:
+        if _routed:
+            return
+        routed = _routing(torch_clip_grad.clip_grad_norm_)
+        torch_clip_grad.clip_grad_norm_ = routed
+        torch.nn.utils.clip_grad_norm_ = routed
+        _routed = True
+
+
+def _routing(torch_own: Any) -> Any:
+    @functools.wraps(torch_own)
+    def clip_grad_norm_(
+        parameters: Union[torch.Tensor, Iterable[torch.Tensor]],
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: Optional[bool] = None,
+    ) -> torch.Tensor:
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if any(whole_on_group(p) is not None for p in params):  # foreach picks kernels only
+            return sharded_clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+        return torch_own(params, max_norm, norm_type, error_if_nonfinite, foreach)
+
+    return clip_grad_norm_
