@@ -26,6 +26,13 @@ reduce-scatter (W-1)/W); DDP's gradient all-reduce runs in its C++ reducer, out 
 sight, so it is added from the gradient sizes. Finally the last loss and the largest parameter
 difference to DDP after the same batches: a fast but wrong result shows.
 
+The Muon rows (``ddp_muon``, ``zero2_muon``, ``fsdp2_muon``, ``zero3_muon``) step the blocks'
+matrices with ``torch.optim.Muon`` and the rest with Adam, and report the optimizer step's time
+alone beside the whole step's (``optim ms``, every row has it): DDP (every rank orthogonalises
+every matrix), ZeRO-2 (each owner its own), torch's FSDP2 (Muon on DTensor shards, whose matrix
+products gather each matrix on every rank) and ZeRO-3 with the matrices placed ``Owned()``.
+Their parameter difference is taken against ``ddp_muon``.
+
 Two ZeRO-2 variants show what survives outside the plain case: ``zero2_compile`` runs the model
 through ``torch.compile`` (inductor) and ``zero2_unused`` adds one parameter that never gets a
 gradient, placed where the first-guess reduce order expects the first gradient. Two optional
@@ -88,6 +95,10 @@ IMPLS = {
     "ds_zero3": "DeepSpeed ZeRO-3 + torch Adam",
     "fsdp2_compile": "torch fully_shard, blocks compiled",
     "zero3_compile": "sharded fully_shard, blocks compiled",
+    "ddp_muon": "torch DDP + Muon (matrices) / Adam",
+    "zero2_muon": "sharded OSS(Muon) + OSS(Adam) + SDP",
+    "fsdp2_muon": "torch fully_shard + Muon on shards",
+    "zero3_muon": "sharded fully_shard, Owned() + Muon",
 }
 SHORT_NAMES = {"ddp": "DDP", "torch_zero": "torch ZeRO\n+ DDP", "fairscale": "fairscale\nOSS + SDP",
                "zero1": "sharded\nOSS + DDP", "zero2": "sharded\nOSS + SDP",
@@ -97,7 +108,13 @@ SHORT_NAMES = {"ddp": "DDP", "torch_zero": "torch ZeRO\n+ DDP", "fairscale": "fa
                "fsdp2": "torch\nFSDP2", "fsdp2_no_reshard": "torch FSDP2\nno reshard",
                "fsdp1": "torch\nFSDP1", "zero3": "sharded\nZeRO-3", "zero3_grad_op": "sharded\nSHARD_GRAD_OP",
                "ds_zero1": "DeepSpeed\nZeRO-1", "ds_zero2": "DeepSpeed\nZeRO-2", "ds_zero3": "DeepSpeed\nZeRO-3",
-               "fsdp2_compile": "torch FSDP2\ncompiled", "zero3_compile": "sharded ZeRO-3\ncompiled"}
+               "fsdp2_compile": "torch FSDP2\ncompiled", "zero3_compile": "sharded ZeRO-3\ncompiled",
+               "ddp_muon": "DDP\nMuon", "zero2_muon": "sharded ZeRO-2\nMuon", "fsdp2_muon": "torch FSDP2\nMuon",
+               "zero3_muon": "sharded ZeRO-3\nOwned + Muon"}
+# The Muon rows: torch.optim.Muon over the blocks' matrices, Adam over the rest (embeddings, head,
+# norms, biases), each compared with DDP + the same two optimizers
+MUON = {"ddp_muon", "zero2_muon", "fsdp2_muon", "zero3_muon"}
+MUON_LR = 0.02
 # which ZeRO stage each implementation is, for the bytes-per-parameter table
 STAGES = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}
 # DeepSpeed's rows (the `bench` extra) and their zero_optimization.stage
@@ -136,6 +153,8 @@ def build(impl: str, model: nn.Module):
         mine = Partition.build([list(model.parameters())], dist.get_world_size()).owned_by_group(dist.get_rank())[0]
         opt = torch.optim.Adam(mine, lr=LR)
         return model, opt, True, opt
+    if impl in MUON:
+        return build_muon(impl, model)
     if impl == "zero2_unused":  # defined last: the first gradient the initial reduce order expects
         model.unused = nn.Linear(model.head.in_features, model.head.in_features).to(model.head.weight.device)
     if impl.startswith(("fsdp", "zero3")):
@@ -198,6 +217,62 @@ def build_fully_sharded(impl: str, model: nn.Module):
         fully_shard(model, reshard_after_forward=impl != "fsdp2_no_reshard")
     opt = torch.optim.Adam(model.parameters(), lr=LR)
     return model, opt, True, opt
+
+
+def is_block_matrix(name: str, param: torch.Tensor) -> bool:
+    """What the Muon rows step with Muon: the transformer blocks' weight matrices."""
+    return name.startswith("blocks.") and param.dim() == 2
+
+
+def build_muon(impl: str, model: nn.Module):
+    """Muon over the blocks' matrices and Adam over the rest: DDP; ZeRO-2 (two ``OSS``, the Muon
+    one balanced by Newton-Schulz cost, under one ``ShardedDataParallel``); torch's FSDP2 with
+    Muon stepping DTensor shards (its matrix products redistribute); ZeRO-3 with the matrices
+    placed ``Owned()``, whole on one rank each, every other parameter element-sharded."""
+    if impl == "zero2_muon":
+        from sharded import OSS, ShardedDataParallel
+
+        named = list(model.named_parameters())
+        muon = OSS([p for n, p in named if is_block_matrix(n, p)], torch.optim.Muon, lr=MUON_LR)
+        adam = OSS([p for n, p in named if not is_block_matrix(n, p)], torch.optim.Adam, lr=LR)
+        return ShardedDataParallel(model, [muon, adam]), Optimizers([muon, adam]), True, Optimizers([muon.optim, adam.optim])
+    if impl in ("fsdp2_muon", "zero3_muon"):
+        if impl == "zero3_muon":
+            from sharded import fully_shard
+            from sharded.fsdp import Owned
+
+            matrices = {id(p) for n, p in model.named_parameters() if is_block_matrix(n, p)}
+            placement = {"shard_placement_fn": lambda p: Owned() if id(p) in matrices else None}
+        else:
+            from torch.distributed.fsdp import fully_shard
+
+            placement = {}
+        for block in model.blocks:
+            fully_shard(block, **placement)
+        fully_shard(model, **placement)
+    named = list(model.named_parameters())
+    opt = Optimizers([torch.optim.Muon([p for n, p in named if is_block_matrix(n, p)], lr=MUON_LR),
+                      torch.optim.Adam([p for n, p in named if not is_block_matrix(n, p)], lr=LR)])
+    return (DDP(model) if impl == "ddp_muon" else model), opt, True, opt
+
+
+class Optimizers:
+    """Several optimizers over disjoint parameters, stepped as one (what ``train_step`` drives)."""
+
+    def __init__(self, optimizers: list) -> None:
+        self.optimizers = optimizers
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    @property
+    def state(self) -> dict:
+        return {p: s for optimizer in self.optimizers for p, s in optimizer.state.items()}
 
 
 def build_deepspeed(impl: str, model: nn.Module):
@@ -265,6 +340,11 @@ def full_named_params(impl: str, wrapped: nn.Module, model: nn.Module) -> dict[s
             return {name: p.detach().clone() for name, p in model.named_parameters()}
     if hasattr(wrapped, "wait_for_params"):  # overlapped broadcasts still in flight after the last step
         wrapped.wait_for_params()
+    if impl == "zero3_muon":  # owned matrices are whole on their owner only: summon gathers them
+        from sharded.fsdp import summon_full_params
+
+        with summon_full_params(model, writeback=False):
+            return {name: p.detach().clone() for name, p in model.named_parameters()}
     return {name: p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for name, p in model.named_parameters()}
 
 
@@ -279,8 +359,11 @@ def train_step(size, setup, step, rank, device):
     else:
         loss.backward()
         grad_bytes = sum(local_nbytes(p.grad) for p in wrapped.parameters() if p.grad is not None)
+    started = time.perf_counter()
     opt.step()
-    return loss.item(), grad_bytes
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return loss.item(), grad_bytes, time.perf_counter() - started
 
 
 class CollectiveCounter:
@@ -386,6 +469,7 @@ def timing_rank(rank, world, args, store_path, results_path):
         models = {impl: make_model(size, device) for impl in args.impls}
         setups = {impl: build(impl, models[impl]) for impl in args.impls}
         rounds_of = {impl: [] for impl in args.impls}  # timed step times, one list per round
+        optim_steps = {impl: [] for impl in args.impls}  # timed optimizer steps alone (slowest rank)
         overlaps = {impl: [] for impl in args.impls}
         overlap_bytes = {impl: [] for impl in args.impls}
         losses, grads = {}, {}
@@ -397,12 +481,13 @@ def timing_rank(rank, world, args, store_path, results_path):
                 for _ in range(min(args.turn, rounds - round_index)):
                     dist.barrier()
                     start = time.perf_counter()
-                    losses[impl], grads[impl] = train_step(size, setups[impl], step_of[impl], rank, device)
+                    losses[impl], grads[impl], optim_s = train_step(size, setups[impl], step_of[impl], rank, device)
                     if device.type == "cuda":
                         torch.cuda.synchronize()
                     elapsed = max(gather(time.perf_counter() - start, device))
                     if step_of[impl] >= args.warmup:
                         this_round.append(elapsed)
+                        optim_steps[impl].append(max(gather(optim_s, device)))
                         stats = getattr(setups[impl][0], "backward_stats", None)
                         if stats is not None:
                             overlaps[impl].append(stats.overlap)
@@ -410,21 +495,23 @@ def timing_rank(rank, world, args, store_path, results_path):
                     step_of[impl] += 1
                 if this_round:
                     rounds_of[impl].append(this_round)
-        reference = dict(models["ddp"].named_parameters()) if "ddp" in models else {}
+        references = {base: dict(models[base].named_parameters()) for base in ("ddp", "ddp_muon") if base in models}
         for impl in args.impls:
             with CollectiveCounter() as counter:
                 train_step(size, setups[impl], step_of[impl], rank, device)
             named = full_named_params(impl, setups[impl][0], models[impl])
+            reference = references.get("ddp_muon" if impl in MUON else "ddp", {})
             common = [name for name in named if name in reference]
             exact = impl != "ideal" and common
             diff = max((named[n] - reference[n]).abs().max().item() for n in common) if exact else float("nan")
             ddp_bytes = 0.0
-            if impl in ("ddp", "torch_zero", "zero1"):  # DDP's C++ all-reduce of every gradient
+            if impl in ("ddp", "torch_zero", "zero1", "ddp_muon"):  # DDP's C++ all-reduce of every gradient
                 ddp_bytes = sum(p.numel() * p.element_size() for p in named.values()) * 2 * (world - 1) / world
             overlap, early_bytes = (statistics.mean(gather(statistics.median(xs[impl]), device)) if xs[impl] else None
                                     for xs in (overlaps, overlap_bytes))
             report.setdefault(size, {})[impl] = {
                 "median_step_s": statistics.median(t for r in rounds_of[impl] for t in r),
+                "median_optim_step_s": statistics.median(optim_steps[impl]),
                 "round_steps_s": rounds_of[impl],
                 "overlap": overlap,
                 "overlap_bytes": early_bytes,
@@ -562,9 +649,9 @@ def launch(target, world, *args):
 def print_table(report, world) -> None:
     for size, rows in report.items():
         ratios_to_ideal(rows)
-        ddp_time = rows.get("ddp", {}).get("median_step_s")
+        ddp_time = (rows.get("ddp") or rows.get("ddp_muon") or {}).get("median_step_s")
         print(f"\n{size} ({rows[next(iter(rows))]['params'] / 1e6:.1f}M params), world {world}")
-        print(f"{'implementation':<40}{'step s':>8}{'vs DDP':>8}{'vs ideal':>10}{'± noise':>9}{'exposed ms':>12}"
+        print(f"{'implementation':<40}{'step s':>8}{'optim ms':>9}{'vs DDP':>8}{'vs ideal':>10}{'± noise':>9}{'exposed ms':>12}"
               f"{'exposed %':>10}{'overlap':>9}{'ov. bytes':>10}{'vs FSDP2':>9}{'params MiB/rank':>17}{'state MiB/rank':>18}"
               f"{'grads MiB/rank':>18}{'peak MiB (max)':>16}{'MiB sent':>10}{'sent/M':>8}{'calls':>7}{'loss':>8}"
               f"{'max |Δ|':>10}")
@@ -574,7 +661,7 @@ def print_table(report, world) -> None:
             overlap, early_bytes = (f"{r[key]:.2f}" if r.get(key) is not None else "-" for key in ("overlap", "overlap_bytes"))
             ideal = (f"{r['vs_ideal']:>10.2f}{r['ratio_noise']:>9.2f}{r['exposed_ms']:>12.0f}{100 * r['exposed_share']:>9.0f}%"
                      if "vs_ideal" in r else f"{'-':>10}{'-':>9}{'-':>12}{'-':>10}")
-            print(f"{IMPLS[impl]:<40}{r['median_step_s']:>8.3f}{ratio:>8}{ideal}{overlap:>9}{early_bytes:>10}{fsdp2_ratio(rows, impl):>9}"
+            print(f"{IMPLS[impl]:<40}{r['median_step_s']:>8.3f}{1e3 * r['median_optim_step_s']:>9.1f}{ratio:>8}{ideal}{overlap:>9}{early_bytes:>10}{fsdp2_ratio(rows, impl):>9}"
                   f"{mib(r.get('param_bytes', [])):>17}{mib(r['state_bytes']):>18}{mib(r['grad_bytes']):>18}"
                   f"{mib(peak_of(r)):>16}{r['comm_bytes'] / 2**20:>10.1f}{sent_per_model(r, world):>8.2f}"
                   f"{r['comm_calls_python']:>7}{r['final_loss']:>8.4f}{r['max_param_diff_vs_ddp']:>10.2e}")
@@ -588,7 +675,7 @@ def peak_of(row: dict) -> list[float]:
 
 # the torch FSDP2 run with the same strategy as each layer-3 run
 SAME_STRATEGY = {"zero3": "fsdp2", "zero3_grad_op": "fsdp2_no_reshard", "fsdp1": "fsdp2",
-                 "zero3_compile": "fsdp2_compile"}
+                 "zero3_compile": "fsdp2_compile", "zero3_muon": "fsdp2_muon"}
 
 
 def fsdp2_ratio(rows, impl) -> str:
@@ -617,7 +704,7 @@ def bytes_rank(rank, world, size, impls, store_path, results_path):
     for impl in impls:
         setup = build(impl, make_model(size, device))
         for step in range(2):
-            _, grads = train_step(size, setup, step, rank, device)
+            _, grads, _ = train_step(size, setup, step, rank, device)
         held[impl] = {"params": gather(held_param_bytes(setup[0]), device), "grads": gather(grads, device),
                       "state": gather(state_bytes(setup[3]), device)}
         del setup

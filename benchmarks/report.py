@@ -4,8 +4,9 @@
     python benchmarks/report.py bench_out/bench.json [more.json ...]
 
 Each file gives one table per model size; a file that holds layer-3 rows gets the columns that
-compare them with torch's FSDP2, and its ``zero_memory`` section becomes the bytes-per-parameter
-table.
+compare them with torch's FSDP2, one that holds the Muon rows the Muon table (against DDP + Muon
+and FSDP2 + Muon, the optimizer step beside the whole step), and its ``zero_memory`` section
+becomes the bytes-per-parameter table.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench import IMPLS, SAME_STRATEGY, STAGES, peak_of, ratios_to_ideal, sent_per_model, zero_formula
+from bench import IMPLS, MUON, SAME_STRATEGY, STAGES, peak_of, ratios_to_ideal, sent_per_model, zero_formula
 
 LAYER_3 = {"fsdp2", "fsdp2_no_reshard", "fsdp1", "zero3", "zero3_grad_op", "ds_zero3", "fsdp2_compile", "zero3_compile"}
 # DeepSpeed's row at the same ZeRO stage as each of ours
@@ -65,6 +66,20 @@ def layer_3_row(impl: str, row: dict, rows: dict, ddp: float, world: int) -> lis
             diff(row)]
 
 
+def muon_row(impl: str, row: dict, rows: dict, world: int) -> list[str]:
+    """Against DDP + Muon and, for ZeRO-3, torch's FSDP2 + Muon: the step, and the optimizer step alone."""
+    ddp, fsdp2 = rows["ddp_muon"], rows.get("fsdp2_muon")
+    versus = lambda key, other: f"{row[key] / other[key]:.2f}" if other else "-"  # noqa: E731
+    return [IMPLS[impl], f"{row['median_step_s']:.3f}", versus("median_step_s", ddp),
+            versus("median_step_s", fsdp2) if impl == "zero3_muon" else "-", f"{1e3 * row['median_optim_step_s']:.0f}",
+            versus("median_optim_step_s", ddp), versus("median_optim_step_s", fsdp2) if impl == "zero3_muon" else "-",
+            mib(row.get("param_bytes", [])), mib(row["state_bytes"]), mib(peak_of(row)), f"{row['comm_bytes'] / 2**20:.1f}",
+            str(row["comm_calls_python"]), diff(row)]
+
+
+MUON_HEAD = ["implementation", "step s", "vs DDP + Muon", "vs FSDP2 + Muon", "optimizer step ms", "vs DDP + Muon",
+             "vs FSDP2 + Muon", "params MiB/rank", "state MiB/rank", "peak MiB (largest rank)", "MiB sent", "calls",
+             "max abs diff to DDP + Muon"]
 LAYER_12_HEAD = ["implementation", "step s", "vs DDP", "vs DeepSpeed (step / peak)", "vs ideal ± noise",
                  "exposed ms (share)", "overlap", "overlap bytes", "state MiB/rank", "grads MiB/rank", "peak MiB (largest rank)",
                  "MiB sent", "calls", "max abs diff"]
@@ -81,12 +96,16 @@ def markdown(head: list[str], body: list[list[str]]) -> str:
 def size_tables(report: dict, world: int) -> str:
     parts = []
     for size, rows in report.items():
+        params = next(iter(rows.values()))["params"] / 1e6
+        if "ddp_muon" in rows:
+            body = [muon_row(i, r, rows, world) for i, r in rows.items() if i in MUON]
+            parts.append(f"### {size} ({params:.1f}M parameters), Muon\n\n" + markdown(MUON_HEAD, body))
+            continue
         ratios_to_ideal(rows)
         ddp = rows["ddp"]["median_step_s"]
         layer_3 = LAYER_3 & set(rows)
         body = [layer_3_row(i, r, rows, ddp, world) if layer_3 else layer_12_row(i, r, rows, ddp, world)
                 for i, r in rows.items()]
-        params = next(iter(rows.values()))["params"] / 1e6
         parts.append(f"### {size} ({params:.1f}M parameters)\n\n" + markdown(LAYER_3_HEAD if layer_3 else LAYER_12_HEAD, body))
     return "\n\n".join(parts)
 
