@@ -353,7 +353,27 @@ def _check_refusals(rank, world):
         model[0].set_all_reduce_hook(lambda t: None)
 
 
+def _check_one_unit_offloaded_or_resharded(rank, world):
+    """The whole net one unit (the root: kept gathered after forward by default), with CPU
+    offload, and resharded after forward: the owned weights train as DDP's."""
+    from sharded.fsdp import CPUOffloadPolicy
+
+    for kwargs in ({}, {"offload_policy": CPUOffloadPolicy()}, {"reshard_after_forward": True}):
+        ref = _net()
+        ddp, theirs = DDP(ref), [torch.optim.Muon([p for p in ref.parameters() if p.dim() == 2], lr=MUON_LR)]
+        model = _net()
+        fully_shard(model, shard_placement_fn=lambda p: Owned() if p.dim() == 2 else None, **kwargs)
+        ours = [torch.optim.Muon([p for p in model.parameters() if p.dim() == 2], lr=MUON_LR)]
+        for step in range(3):
+            batch = _net_batch(rank, step)
+            _step(ddp, theirs, batch, _net_loss)
+            _step(model, ours, batch, _net_loss)
+        mine = _full_parameters(model)
+        _assert_same(mine, [p.detach() for p in ref.parameters()], f"one unit, {kwargs}", exact=world <= 2, lr=MUON_LR, steps=3)
+
+
 def _check_placements(rank, world):
+    _check_one_unit_offloaded_or_resharded(rank, world)
     _check_explicit_owners_and_a_rank_owning_nothing(rank, world)
     _check_balancer_spreads_step_cost(rank, world)
     _check_mixed_precision_and_no_sync_match_element_sharding(rank, world)
