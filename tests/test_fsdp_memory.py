@@ -77,7 +77,8 @@ def _watch_reductions(units):
             assert _storage(unit).unsharded_bytes() == 0, f"{unit} still gathered as it packs its gradients"
             reduction = start(params, grads, *args)
             assert grads == [], f"{unit} kept its full gradients past packing"
-            assert all(r._scatter.sent is None for r in [*in_flight, reduction]), "a send buffer outlived its copy"
+            scatters = [part._scatter for r in [*in_flight, reduction] for part in r.parts]
+            assert all(s.sent is None for s in scatters), "a send buffer outlived its copy"
             started.append(unit)
             return reduction
 

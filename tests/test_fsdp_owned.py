@@ -65,6 +65,25 @@ def _step(model, optimizers, batch, loss_fn):
     return loss.detach()
 
 
+def _assert_loss(loss, ref_loss, what, exact):
+    if exact:
+        _assert_same([loss], [ref_loss], what, exact)
+    else:  # world 3: three gradients summed in another order
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6, msg=what)
+
+
+def _train_beside_ddp(reference, sharded, rank, steps, batch_fn, loss_fn, exact, what):
+    """Train both ``(model, optimizers)`` pairs on the same batches, comparing each step's loss;
+    at world <= 2 the parameters too, bit for bit."""
+    (ddp, theirs), (model, ours) = reference, sharded
+    for step in range(steps):
+        batch = batch_fn(rank, step)
+        ref_loss = _step(ddp, theirs, batch, loss_fn)
+        _assert_loss(_step(model, ours, batch, loss_fn), ref_loss, f"{what}, step {step}: loss", exact)
+    if exact:
+        _assert_same(_full_parameters(model), [p.detach() for p in ddp.module.parameters()], f"{what}: parameters", exact)
+
+
 def _assert_same(ours, theirs, what, exact, lr=ADAMW_LR, steps=STEPS):
     if exact:
         for a, b in zip(ours, theirs):
@@ -114,10 +133,7 @@ def _check_muon_and_adamw_match_ddp(rank, world):
             ours[0].step()  # Muon: Newton-Schulz on the owner's whole matrices, no collective
         assert comms.get_total_counts() == 0, f"Muon's step communicated: {comms.get_comm_counts()}"
         ours[1].step()
-        if exact:
-            _assert_same([loss], [ref_loss], f"step {step}: loss", exact)
-        else:
-            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6, msg=f"step {step}: loss")
+        _assert_loss(loss, ref_loss, f"step {step}: loss", exact)
         if step == 0:  # the first momentum is the averaged gradient itself (times 1 - momentum)
             _assert_muon_state_on_owners_only(model, ref, ours[0], theirs[0], exact)
     if exact:
@@ -227,16 +243,7 @@ def _check_explicit_owners_and_a_rank_owning_nothing(rank, world):
         assert held == (rank == owner or world == 1), f"{name} whole on rank {rank}, owner {owner}"
     if world == 3 and rank == 2:
         assert not any(named[n].to_local().numel() for n in owners), "rank 2 owns nothing"
-    for step in range(STEPS):
-        batch = mlp_batch(rank, step)
-        ref_loss = _step(ddp, theirs, batch, mlp_loss)
-        loss = _step(model, ours, batch, mlp_loss)
-        if exact:
-            _assert_same([loss], [ref_loss], f"step {step}: loss", exact)
-        else:
-            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6, msg=f"step {step}: loss")
-    if exact:
-        _assert_same(_full_parameters(model), [p.detach() for p in ref.parameters()], "parameters", exact)
+    _train_beside_ddp((ddp, theirs), (model, ours), rank, STEPS, mlp_batch, mlp_loss, exact, "explicit owners")
     owned_bias_state = ours[1].state.get(named["4.bias"], {})
     assert bool(owned_bias_state) == (rank == 0), "the owned bias has AdamW state on its owner alone"
 
@@ -305,16 +312,7 @@ def _check_recompute_and_meta_init(rank, world):
     ddp, theirs = DDP(ref), _optimizers(ref.named_parameters())
     model = _meta_gpt_loaded_from(ref, _reentrant_gpt_class())
     ours = _optimizers(model.named_parameters())
-    for step in range(3):
-        batch = token_batch(rank, step)
-        ref_loss = _step(ddp, theirs, batch, gpt_loss)
-        loss = _step(model, ours, batch, gpt_loss)
-        if exact:
-            _assert_same([loss], [ref_loss], f"recomputed, step {step}: loss", exact)
-        else:
-            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6, msg=f"step {step}: loss")
-    if exact:
-        _assert_same(_full_parameters(model), [p.detach() for p in ref.parameters()], "recomputed: parameters", exact)
+    _train_beside_ddp((ddp, theirs), (model, ours), rank, 3, token_batch, gpt_loss, exact, "recomputed")
 
 
 def _meta_gpt_loaded_from(ref, cls):

@@ -44,7 +44,53 @@ from ._gather import GatherRoute
 from ._param import ShardedParam
 from ._placement.secondary_shard import SecondaryShardGroup
 
-__all__ = ["UnitStorage", "GradientLayout", "pack_gradients"]
+__all__ = ["BufferPlacement", "UnitStorage", "GradientLayout", "pack_gradients", "check_materialised", "ensure_allocated", "release"]
+
+
+@dataclass(frozen=True)
+class BufferPlacement:
+    """Where a unit's buffers live: what it keeps at rest (its shards, or its owned values) on
+    the compute device or offloaded to the CPU (pinned where an accelerator can then copy from it
+    asynchronously), and the gathered parameters on the compute device in ``unsharded_dtype``
+    (``None``: the dtype kept at rest)."""
+
+    compute_device: torch.device
+    offload_to_cpu: bool = False
+    pin_memory: bool = False
+    unsharded_dtype: Optional[torch.dtype] = None
+
+    def rest_device(self, device: torch.device) -> torch.device:
+        """Where values that ``device`` holds are kept at rest."""
+        return torch.device("cpu") if self.offload_to_cpu else device
+
+    def new_rest_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A zeroed flat buffer to keep values at rest on ``device``."""
+        pin = self.pin_memory and self.offload_to_cpu and device.type == "cpu" and torch.cuda.is_available()
+        return torch.zeros(numel, dtype=dtype, device=device, pin_memory=pin)
+
+
+def check_materialised(params: Sequence[ShardedParam], locals_: Sequence[torch.Tensor], where: str) -> None:
+    """Raise naming the first of ``params`` whose local tensor is still on the meta device."""
+    for sp, local in zip(params, locals_):
+        if local.is_meta:
+            raise RuntimeError(
+                f"{where}: parameter {sp.fqn} is still on the meta device; materialise the model "
+                "(module.to_empty(device=...) and initialise it) before its first forward"
+            )
+
+
+def ensure_allocated(flat: torch.Tensor) -> None:
+    """Give a gathered buffer freed by :func:`release` its storage back (the same tensor, so what
+    autograd saved of views of it is refilled in place)."""
+    storage = flat.untyped_storage()
+    nbytes = flat.numel() * flat.element_size()
+    if storage.nbytes() != nbytes:
+        storage.resize_(nbytes)
+
+
+def release(flat: torch.Tensor) -> None:
+    """Free a gathered buffer's storage; the tensor and its views stay, for the next gather."""
+    flat.untyped_storage().resize_(0)
 
 
 class UnitStorage:
@@ -53,26 +99,14 @@ class UnitStorage:
     Args:
         params: the unit's parameters, in buffer order.
         world: shards per parameter (the shard group's size).
-        compute_device: where unsharded parameters live.
-        offload_to_cpu / pin_memory: keep the sharded buffer on the CPU (pinned if possible).
-        unsharded_dtype: dtype of the unsharded parameters (``None``: the shards' dtype).
+        placement: where the buffers live, and the unsharded parameters' dtype.
     """
 
-    def __init__(
-        self,
-        params: Sequence[ShardedParam],
-        world: int,
-        compute_device: torch.device,
-        offload_to_cpu: bool,
-        pin_memory: bool,
-        unsharded_dtype: Optional[torch.dtype],
-    ) -> None:
+    def __init__(self, params: Sequence[ShardedParam], world: int, placement: BufferPlacement) -> None:
         self.params = list(params)
         self.world = world
-        self.compute_device = compute_device
-        self._offload = offload_to_cpu
-        self._pin = pin_memory and offload_to_cpu and torch.cuda.is_available()
-        self._unsharded_dtype = unsharded_dtype
+        self.placement = placement
+        self.compute_device = placement.compute_device
         self.widths = [sp.geometry.slot_numel for sp in self.params]
         self._cut_elsewhere = any(sp.geometry.dim != 0 for sp in self.params)  # shard_placement_fn's Shard(d)
         self.shard_numel = sum(self.widths)
@@ -88,8 +122,8 @@ class UnitStorage:
     def shard_from_full(self, fulls: Sequence[torch.Tensor]) -> None:
         """Build the sharded buffer from the full parameters (meta ones stay unallocated)."""
         on_meta = any(full.is_meta for full in fulls)
-        device = torch.device("meta") if on_meta else self._storage_device(self.compute_device)
-        flat = self._new_flat(fulls[0].dtype if fulls else torch.float32, device)
+        device = torch.device("meta") if on_meta else self.placement.rest_device(self.compute_device)
+        flat = self.placement.new_rest_buffer(self.shard_numel, fulls[0].dtype if fulls else torch.float32, device)
         for sp, full, slot in zip(self.params, fulls, self._slots(flat)):
             if not on_meta:
                 sp.real_rows(slot).copy_(sp.rows_of(full.detach()))
@@ -102,11 +136,11 @@ class UnitStorage:
         locals_ = [sp.local_shard() for sp in self.params]
         if all(is_view_of(local, sp.real_rows(slot)) for sp, local, slot in zip(self.params, locals_, self._slots(self.sharded_flat))):
             return
-        self._check_materialised(locals_, where)
+        check_materialised(self.params, locals_, where)
         dtypes = {local.dtype for local in locals_}
         if len(dtypes) > 1:
             raise TypeError(f"{where}: the unit's parameters now have different dtypes {sorted(map(str, dtypes))}; a unit needs one dtype")
-        flat = self._new_flat(locals_[0].dtype, self._storage_device(locals_[0].device))
+        flat = self.placement.new_rest_buffer(self.shard_numel, locals_[0].dtype, self.placement.rest_device(locals_[0].device))
         for sp, local, slot in zip(self.params, locals_, self._slots(flat)):
             sp.real_rows(slot).copy_(local)
             sp.attach_shard(slot, requires_grad=sp.requires_grad)
@@ -115,21 +149,6 @@ class UnitStorage:
     @property
     def dtype(self) -> torch.dtype:
         return self.sharded_flat.dtype
-
-    def _check_materialised(self, locals_: Sequence[torch.Tensor], where: str) -> None:
-        for sp, local in zip(self.params, locals_):
-            if local.is_meta:
-                raise RuntimeError(
-                    f"{where}: parameter {sp.fqn} is still on the meta device; materialise the model "
-                    "(module.to_empty(device=...) and initialise it) before its first forward"
-                )
-
-    def _storage_device(self, device: torch.device) -> torch.device:
-        return torch.device("cpu") if self._offload else device
-
-    def _new_flat(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        pin = self._pin and device.type == "cpu"
-        return torch.zeros(self.shard_numel, dtype=dtype, device=device, pin_memory=pin)
 
     def _slots(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return list(flat.split(self.widths))
@@ -189,7 +208,7 @@ class UnitStorage:
 
     @property
     def unsharded_dtype(self) -> torch.dtype:
-        return self._unsharded_dtype or self.sharded_flat.dtype
+        return self.placement.unsharded_dtype or self.sharded_flat.dtype
 
     def _prepare_unsharded(self) -> None:
         """(Re)build the unsharded buffer and parameters if the shards' dtype or storage changed."""
@@ -212,15 +231,12 @@ class UnitStorage:
 
     def _allocate_unsharded(self) -> None:
         if not self.aliases_shards and self._unsharded_flat is not None:
-            storage = self._unsharded_flat.untyped_storage()
-            nbytes = self._unsharded_flat.numel() * self._unsharded_flat.element_size()
-            if storage.nbytes() != nbytes:
-                storage.resize_(nbytes)
+            ensure_allocated(self._unsharded_flat)
 
     def free(self) -> None:
         """Free the unsharded buffer's storage (its tensors stay, for the next gather)."""
         if not self.aliases_shards and self._unsharded_flat is not None:
-            self._unsharded_flat.untyped_storage().resize_(0)
+            release(self._unsharded_flat)
 
     def unsharded_bytes(self) -> int:
         """Bytes the unsharded buffer holds right now (0 while freed or aliasing the shards)."""

@@ -28,6 +28,7 @@ from torch import nn
 from .._common import comm
 from .._common.errors import on_rank
 from .._common.flat import is_view_of, offsets_of, used_anywhere, used_flags
+from ._flat_buffers import BufferPlacement, check_materialised, ensure_allocated, release
 from ._gather import GatherRoute
 from ._param import ShardedParam
 from ._placement.secondary_shard import SecondaryShardGroup
@@ -47,28 +48,15 @@ class OwnedGather:
         params: the unit's owner-placed parameters, in the unit's order.
         shard_rank: this rank in the shard group.
         world: the shard group's size.
-        compute_device: where the unsharded parameters live.
-        offload_to_cpu / pin_memory: keep the owned values on the CPU (pinned if possible).
-        unsharded_dtype: dtype of the unsharded parameters (``None``: the values' own).
+        placement: where the owned values and the gathered parameters live, in which dtypes.
     """
 
-    def __init__(
-        self,
-        params: Sequence[ShardedParam],
-        shard_rank: int,
-        world: int,
-        compute_device: torch.device,
-        offload_to_cpu: bool,
-        pin_memory: bool,
-        unsharded_dtype: Optional[torch.dtype],
-    ) -> None:
+    def __init__(self, params: Sequence[ShardedParam], shard_rank: int, world: int, placement: BufferPlacement) -> None:
         self.params = list(params)
         self.shard_rank = shard_rank
         self.world = world
-        self.compute_device = compute_device
-        self._offload = offload_to_cpu
-        self._pin = pin_memory and offload_to_cpu and torch.cuda.is_available()
-        self._unsharded_dtype = unsharded_dtype
+        self.placement = placement
+        self.compute_device = placement.compute_device
         self.by_owner = sorted(self.params, key=lambda sp: _owner(sp))  # the unsharded buffer's order
         self.mine = [sp for sp in self.by_owner if sp.owner == shard_rank]
         self._starts = offsets_of([sp.geometry.numel for sp in self.by_owner])
@@ -89,7 +77,7 @@ class OwnedGather:
         full_of = {id(sp): full for sp, full in zip(self.params, fulls)}
         on_meta = any(full.is_meta for full in fulls)
         dtype = fulls[0].dtype if fulls else torch.float32
-        device = torch.device("meta") if on_meta else self._storage_device()
+        device = torch.device("meta") if on_meta else self.placement.rest_device(self.compute_device)
         flat = self._new_flat(dtype, device)
         for sp, slot in zip(self.mine, self._slots(flat)):
             full = full_of[id(sp)]
@@ -107,14 +95,9 @@ class OwnedGather:
         locals_ = [sp.local_shard() for sp in self.mine]
         if all(is_view_of(local, sp.real_rows(slot)) for sp, local, slot in zip(self.mine, locals_, self._slots(self.owned_flat))):
             return
-        for sp, local in zip(self.mine, locals_):
-            if local.is_meta:
-                raise RuntimeError(
-                    f"{where}: parameter {sp.fqn} is still on the meta device; materialise the model "
-                    "(module.to_empty(device=...) and initialise it) before its first forward"
-                )
+        check_materialised(self.mine, locals_, where)
         dtype = locals_[0].dtype if locals_ else self._dtype_of_others()
-        flat = self._new_flat(dtype, self._storage_device())
+        flat = self._new_flat(dtype, self.placement.rest_device(self.compute_device))
         for sp, local, slot in zip(self.mine, locals_, self._slots(flat)):
             sp.real_rows(slot).copy_(local)
             sp.attach_shard(slot, requires_grad=sp.requires_grad)
@@ -124,12 +107,8 @@ class OwnedGather:
         """The dtype of the owned parameters this rank does not hold (a DTensor keeps it)."""
         return self.params[0].sharded.dtype
 
-    def _storage_device(self) -> torch.device:
-        return torch.device("cpu") if self._offload else self.compute_device
-
     def _new_flat(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        pin = self._pin and device.type == "cpu"
-        return torch.zeros(sum(sp.geometry.numel for sp in self.mine), dtype=dtype, device=device, pin_memory=pin)
+        return self.placement.new_rest_buffer(sum(sp.geometry.numel for sp in self.mine), dtype, device)
 
     def _slots(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return list(flat.split([sp.geometry.numel for sp in self.mine]))
@@ -170,7 +149,7 @@ class OwnedGather:
     def free(self) -> None:
         """Free the unsharded buffer's storage (its tensors stay, for the next gather)."""
         if not self.aliases_values and self._unsharded_flat is not None:
-            self._unsharded_flat.untyped_storage().resize_(0)
+            release(self._unsharded_flat)
 
     def full_copies(self, route: GatherRoute, where: str) -> list[torch.Tensor]:
         """Collective: fresh full copies in the values' dtype, broadcast from their owners."""
@@ -198,7 +177,7 @@ class OwnedGather:
 
     @property
     def unsharded_dtype(self) -> torch.dtype:
-        return self._unsharded_dtype or self.dtype
+        return self.placement.unsharded_dtype or self.dtype
 
     def _prepare_unsharded(self) -> None:
         key = (self.unsharded_dtype, self.owned_flat.device, self.aliases_values and self.owned_flat.data_ptr())
@@ -225,10 +204,7 @@ class OwnedGather:
 
     def _allocate_unsharded(self) -> None:
         if self._unsharded_flat is not None:
-            storage = self._unsharded_flat.untyped_storage()
-            nbytes = self._unsharded_flat.numel() * self._unsharded_flat.element_size()
-            if storage.nbytes() != nbytes:
-                storage.resize_(nbytes)
+            ensure_allocated(self._unsharded_flat)
 
     def unsharded_bytes(self) -> int:
         """Bytes the unsharded buffer holds right now (0 while freed or aliasing the values)."""

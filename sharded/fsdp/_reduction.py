@@ -258,22 +258,22 @@ class UnitReduction:
     if any). The root drives it as one."""
 
     def __init__(self, parts: list[Any]) -> None:
-        self._parts = parts  # Reduction / OwnedReduction: hybrid, advance(), finish(), abandon()
+        self.parts = parts  # Reduction / OwnedReduction: hybrid, advance(), finish(), abandon()
 
     @property
     def hybrid(self) -> bool:
-        return any(part.hybrid for part in self._parts)
+        return any(part.hybrid for part in self.parts)
 
     def advance(self) -> None:
-        for part in self._parts:
+        for part in self.parts:
             part.advance()
 
     def finish(self) -> None:
-        for part in self._parts:
+        for part in self.parts:
             part.finish()
 
     def abandon(self) -> None:
-        for part in self._parts:
+        for part in self.parts:
             part.abandon()
 
 

@@ -26,7 +26,7 @@ from torch.profiler import record_function
 from .._common.errors import on_rank
 from ._collectives import ProfilerLabels
 from ._extension import ExtensionGather
-from ._flat_buffers import UnitStorage
+from ._flat_buffers import BufferPlacement, UnitStorage
 from ._gather import GatherRoute, ParamGather
 from ._hooks import BackwardTracker, cast_floats
 from ._owned import OwnedGather
@@ -377,28 +377,14 @@ def _gathers_for(params: list[ShardedParam], mesh_info: MeshInfo, settings: Unit
     plain = [sp for sp in params if not sp.gather_extension and sp.owner is None]
     extended = [sp for sp in params if sp.gather_extension]
     owned = [sp for sp in params if sp.owner is not None]
+    placement = BufferPlacement(mesh_info.device, settings.offloads, settings.pins_memory, settings.mp_policy.param_dtype)
     gathers: list[ParamGather] = []
     if plain:
-        gathers.append(UnitStorage(
-            plain,
-            mesh_info.shard_world,
-            mesh_info.device,
-            offload_to_cpu=settings.offloads,
-            pin_memory=settings.pins_memory,
-            unsharded_dtype=settings.mp_policy.param_dtype,
-        ))
+        gathers.append(UnitStorage(plain, mesh_info.shard_world, placement))
     if extended:
         gathers.append(ExtensionGather(extended, mesh_info.mesh, settings.mp_policy, mesh_info.device))
     if owned:
-        gathers.append(OwnedGather(
-            owned,
-            mesh_info.shard_rank,
-            mesh_info.shard_world,
-            mesh_info.device,
-            offload_to_cpu=settings.offloads,
-            pin_memory=settings.pins_memory,
-            unsharded_dtype=settings.mp_policy.param_dtype,
-        ))
+        gathers.append(OwnedGather(owned, mesh_info.shard_rank, mesh_info.shard_world, placement))
     return gathers
 
 
