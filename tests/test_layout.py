@@ -24,6 +24,7 @@ BELOW = {
     "_memory": {"_common", "_owners", "fsdp"},
     "plan": {"_memory"},
     "checkpoint": {"_common", "_owners", "oss", "sharded_ddp", "fsdp"},
+    "invariant": {"_common", "oss", "sharded_ddp", "fsdp"},
     "lightning": {"_common", "_owners", "oss", "sharded_ddp", "grad_scaler", "fsdp", "checkpoint"},
 }
 

@@ -257,6 +257,25 @@ def new_group_of_this_rank(rows: Sequence[Sequence[int]], **kwargs: Any) -> dist
     return mine[0]
 
 
+def all_to_all_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: ProcessGroup,
+    output_split_sizes: Optional[Sequence[int]] = None,
+    input_split_sizes: Optional[Sequence[int]] = None,
+) -> None:
+    """Blocking exchange: this rank's ``input``, cut by ``input_split_sizes`` (equal pieces if
+    ``None``), sends piece ``d`` to rank ``d``; ``output`` receives rank ``s``'s piece for this
+    rank as its ``s``-th part (cut by ``output_split_sizes``). gloo does this on the CPU and with
+    CUDA tensors, uneven pieces included."""
+    dist.all_to_all_single(
+        output, input,
+        output_split_sizes=list(output_split_sizes) if output_split_sizes is not None else None,
+        input_split_sizes=list(input_split_sizes) if input_split_sizes is not None else None,
+        group=group,
+    )
+
+
 def start_all_reduce(
     tensor: torch.Tensor, group: ProcessGroup, op: dist.ReduceOp.RedOpType
 ) -> Optional[dist.Work]:

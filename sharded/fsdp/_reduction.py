@@ -169,6 +169,8 @@ class GradientReducer:
         ``dtype``, scale them and start reducing them: reduce-scattered, as the all-gather's
         mirror image, and for owner-placed parameters reduced onto their owners. Empties
         ``grads`` once packed: the full gradients are freed before the collectives run."""
+        if self._settings.reduction_override is not None:
+            return self._settings.reduction_override(params, grads)
         settings = self._reduce_settings(dtype)
         cut = [(sp, g) for sp, g in zip(params, grads) if sp.owner is None]
         owned = [(sp, g) for sp, g in zip(params, grads) if sp.owner is not None]

@@ -11,7 +11,7 @@ the model is in its step, and the settings that apply to the whole step.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 from torch import nn
@@ -55,6 +55,9 @@ class UnitSettings:
     all_reduce_hook_stream: Optional[Any] = None
     custom_reduce_scatter: Optional[Any] = None  # a torch.distributed.fsdp.ReduceScatter
     reduce_scatter_group: Optional[dist.ProcessGroup] = None
+    # what reduces the gradients instead, while set: ``(params, grads) -> UnitReduction``
+    # (sharded.invariant's canonical exchange sets it for the micro-batches of a step)
+    reduction_override: Optional[Callable[[list[Any], list[Any]], Any]] = None
 
     @property
     def offloads(self) -> bool:
