@@ -261,6 +261,15 @@ def _check_refusals(rank, world):
         MicroBatches(model, 8)
 
 
+def _check_no_sync_inside_the_loop(rank, world):
+    sharded_model, _, _ = _build("3", "adamw", "fp32")
+    micro_batches = MicroBatches(sharded_model, 1)
+    with pytest.raises(RuntimeError, match="kept its gradient locally"):
+        for index in micro_batches:
+            with sharded_model.no_sync():
+                gpt_loss(sharded_model, token_batch(index, 0)).backward()
+
+
 def _check_refusals_in_one_process(rank, world):
     model = DDP(gpt())
     for count in (6, 0):
@@ -282,3 +291,4 @@ def _check_refusals_in_one_process(rank, world):
 def test_counts_the_tree_cannot_serve_and_misuse_are_refused_at_start():
     run_on_ranks(_check_refusals_in_one_process, 1)
     run_on_ranks(_check_refusals, 3, timeout=60)
+    run_on_ranks(_check_no_sync_inside_the_loop, 1)

@@ -305,6 +305,13 @@ class ShardedStage(Stage):
                 unit.settings.reduction_override = override
 
     def collect(self) -> None:
+        kept = [sp.fqn for unit in self._units for sp in unit.params if sp.unsynced_grad is not None]
+        if kept:
+            raise RuntimeError(on_rank(
+                f"MicroBatches: parameter {kept[0]} kept its gradient locally (no_sync() or "
+                "set_requires_gradient_sync(False) inside the loop); the loop sums every micro-batch itself: "
+                "leave gradient sync on inside it"
+            ))
         for unit_sum in self._sums.values():
             unit_sum.end_micro_batch()
 
