@@ -263,16 +263,18 @@ def all_to_all_single(
     group: ProcessGroup,
     output_split_sizes: Optional[Sequence[int]] = None,
     input_split_sizes: Optional[Sequence[int]] = None,
-) -> None:
-    """Blocking exchange: this rank's ``input``, cut by ``input_split_sizes`` (equal pieces if
-    ``None``), sends piece ``d`` to rank ``d``; ``output`` receives rank ``s``'s piece for this
-    rank as its ``s``-th part (cut by ``output_split_sizes``). gloo does this on the CPU and with
-    CUDA tensors, uneven pieces included."""
-    dist.all_to_all_single(
+    async_op: bool = False,
+) -> Optional[dist.Work]:
+    """Exchange: this rank's ``input``, cut by ``input_split_sizes`` (equal pieces if ``None``),
+    sends piece ``d`` to rank ``d``; ``output`` receives rank ``s``'s piece for this rank as its
+    ``s``-th part (cut by ``output_split_sizes``). gloo does this on the CPU and with CUDA tensors,
+    uneven pieces included. With ``async_op``, the work handle to wait on."""
+    return dist.all_to_all_single(
         output, input,
         output_split_sizes=list(output_split_sizes) if output_split_sizes is not None else None,
         input_split_sizes=list(input_split_sizes) if input_split_sizes is not None else None,
         group=group,
+        async_op=async_op,
     )
 
 

@@ -14,7 +14,7 @@ plus an all-gather of the sums (:func:`all_reduce_canonically`); a sum across re
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -22,20 +22,47 @@ import torch.distributed as dist
 from .._common import comm
 from ._tree import tree_sum
 
-__all__ = ["exchange_and_sum", "all_reduce_canonically", "sum_across_replicas"]
+__all__ = ["PendingExchange", "start_exchange", "exchange_and_sum", "all_reduce_canonically", "sum_across_replicas"]
+
+
+class PendingExchange:
+    """An exchange in flight (:func:`start_exchange`); :meth:`sum` waits and adds up the tree."""
+
+    def __init__(self, work: Optional[dist.Work], received: torch.Tensor, world: int, sent: Optional[torch.Tensor]) -> None:
+        self._work = work
+        self._received = received
+        self._world = world
+        self._sent = sent  # kept alive until the collective has read it
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work, self._sent = None, None
+
+    def sum(self) -> torch.Tensor:
+        """Wait; the canonical sum of what every rank sent this rank (a new tensor)."""
+        self.wait()
+        if self._world == 1:
+            return self._received
+        return tree_sum(list(self._received.view(self._world, -1)))
+
+
+def start_exchange(pieces: Sequence[torch.Tensor], receive_numel: int, group: dist.ProcessGroup) -> PendingExchange:
+    """Collective, asynchronous: send ``pieces[d]`` (1-D) to rank ``d`` of ``group``; every rank
+    sends this rank ``receive_numel`` elements, which :meth:`PendingExchange.sum` adds up the tree
+    in source rank order."""
+    world = comm.group_size(group)
+    if world == 1:
+        return PendingExchange(None, pieces[0].reshape(-1).clone(), 1, None)
+    sent = torch.cat([p.reshape(-1) for p in pieces])
+    received = torch.empty(world * receive_numel, dtype=sent.dtype, device=sent.device)
+    work = comm.all_to_all_single(received, sent, group, [receive_numel] * world, [p.numel() for p in pieces], async_op=True)
+    return PendingExchange(work, received, world, sent)
 
 
 def exchange_and_sum(pieces: Sequence[torch.Tensor], receive_numel: int, group: dist.ProcessGroup) -> torch.Tensor:
-    """Collective: send ``pieces[d]`` (1-D) to rank ``d`` of ``group``; every rank sends this
-    rank ``receive_numel`` elements, and their canonical sum (source rank order, up the tree) is
-    returned: a new tensor."""
-    world = comm.group_size(group)
-    if world == 1:
-        return pieces[0].reshape(-1).clone()
-    sent = torch.cat([p.reshape(-1) for p in pieces])
-    received = torch.empty(world * receive_numel, dtype=sent.dtype, device=sent.device)
-    comm.all_to_all_single(received, sent, group, [receive_numel] * world, [p.numel() for p in pieces])
-    return tree_sum(list(received.view(world, receive_numel)))
+    """Collective: :func:`start_exchange`, waited for and summed."""
+    return start_exchange(pieces, receive_numel, group).sum()
 
 
 def all_reduce_canonically(flat: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

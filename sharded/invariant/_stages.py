@@ -35,7 +35,7 @@ from .._common import comm
 from .._common.errors import on_rank
 from .._common.flat import used_anywhere
 from ..sharded_ddp import ShardedDataParallel
-from ._exchange import all_reduce_canonically, exchange_and_sum, sum_across_replicas
+from ._exchange import PendingExchange, all_reduce_canonically, exchange_and_sum, start_exchange, sum_across_replicas
 from ._norm import RowsHeld, row_count
 from ._tree import TreeAccumulator
 
@@ -367,28 +367,36 @@ class _UnitSum:
         self.group = group
         self.replicas = replicas
         self.tree = TreeAccumulator()
+        self._in_flight: Optional[_InFlight] = None  # this micro-batch's exchange
         self._this_micro_batch: Optional[torch.Tensor] = None
         self._layout: Optional[tuple[Any, list[Any], list[Any]]] = None
 
     def reset(self) -> None:
         self.tree = TreeAccumulator()
+        self._in_flight = None
         self._this_micro_batch = None
 
     def reduce(self, params: list[Any], grads: list[Optional[torch.Tensor]]) -> Any:
         """The unit's reduction, replaced: exchange now, land after the last micro-batch."""
         from ..fsdp._reduction import UnitReduction  # layer 3 is imported: its units exist
 
-        if self._this_micro_batch is not None:
+        if self._in_flight is not None:
             raise NotImplementedError(on_rank(
                 f"MicroBatches: fully_shard({self.unit.module_name}) reduced its gradients twice in one micro-batch (some "
                 "arrived after it had sent them); the canonical sum needs one reduction per unit and micro-batch"
             ))
-        received, self._layout = self._exchange(params, grads)
+        pending, self._layout = self._start_exchange(params, grads)
         grads.clear()
-        self._this_micro_batch = received
-        return UnitReduction([])
+        self._in_flight = _InFlight(pending, self)
+        return UnitReduction([self._in_flight])
 
-    def _exchange(self, params: list[Any], grads: list[Optional[torch.Tensor]]) -> tuple[torch.Tensor, Any]:
+    def received(self, summed: torch.Tensor) -> None:
+        """This micro-batch's exchange has arrived and been summed over the shard group."""
+        if self.replicas is not None:
+            summed = sum_across_replicas(summed, self.replicas)
+        self._this_micro_batch = summed
+
+    def _start_exchange(self, params: list[Any], grads: list[Optional[torch.Tensor]]) -> tuple[PendingExchange, Any]:
         from ..fsdp._flat_buffers import pack_gradients
 
         info = self.unit.mesh_info
@@ -404,13 +412,15 @@ class _UnitSum:
             rows = list(sent.view(world, -1))
         owned_by = [[(sp, g) for sp, g in owned if sp.owner == rank] for rank in range(world)]
         pieces = [torch.cat([row, _owned_piece(mine, device)]) for row, mine in zip(rows, owned_by)]
-        received = exchange_and_sum(pieces, pieces[me].numel(), self.group)
-        if self.replicas is not None:
-            received = sum_across_replicas(received, self.replicas)
-        return received, (layout, [sp for sp, _ in owned_by[me]], rows[me].numel())
+        pending = start_exchange(pieces, pieces[me].numel(), self.group)
+        return pending, (layout, [sp for sp, _ in owned_by[me]], rows[me].numel())
 
     def end_micro_batch(self) -> None:
-        """Commit this micro-batch's exchanged sum as the next leaf of the tree over time."""
+        """Commit this micro-batch's exchanged sum as the next leaf of the tree over time (an
+        exchange the root left in flight, ``set_is_last_backward(False)``, is finished first)."""
+        if self._in_flight is not None:
+            self._in_flight.finish()
+            self._in_flight = None
         if self._this_micro_batch is not None:
             self.tree.add(self._this_micro_batch)
             self._this_micro_batch = None
@@ -432,6 +442,31 @@ class _UnitSum:
             for sp, piece, is_used in zip(mine, owned[:-n].split([sp.geometry.numel for sp in mine]), used):
                 if is_used:
                     sp.add_to_sharded_grad(piece.view(sp.geometry.shape))
+
+
+class _InFlight:
+    """A unit's exchange in flight, driven by its root like a reduce-scatter: finished when the
+    root's bound on reductions in flight or the end of backward says so."""
+
+    hybrid = False  # the sum across replica rows follows the exchange in finish()
+
+    def __init__(self, pending: PendingExchange, unit_sum: _UnitSum) -> None:
+        self._pending = pending
+        self._unit_sum = unit_sum
+        self._done = False
+
+    def advance(self) -> None:
+        """Nothing to start early: the exchange is one collective."""
+
+    def finish(self) -> None:
+        """Sum what arrived into the unit's leaf for this micro-batch (once; the root and the
+        end of the micro-batch may both ask)."""
+        if not self._done:
+            self._done = True
+            self._unit_sum.received(self._pending.sum())
+
+    def abandon(self) -> None:
+        self._pending.wait()
 
 
 def _owned_piece(pairs: list[tuple[Any, Optional[torch.Tensor]]], device: torch.device) -> torch.Tensor:
