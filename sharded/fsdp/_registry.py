@@ -9,22 +9,19 @@ Identity-keyed weak maps, so nothing here keeps a tensor alive.
 
 from __future__ import annotations
 
-import threading
 import weakref
 from typing import Any, Optional
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .._common.errors import on_rank
+from .._common.step_checks import install_step_check
 
 __all__ = ["register_sharded", "unit_owning", "retire", "replaced_as", "retired_by", "install_optimizer_guard"]
 
 _owners: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 # id(original) -> (original, the unit that took it, the ShardedParam replacing it, by what)
 _retired: dict[int, tuple["weakref.ref[torch.Tensor]", "weakref.ref[Any]", Any, str]] = {}
-_guard_lock = threading.Lock()
-_guard_installed = False
 
 
 def register_sharded(param: torch.Tensor, unit: Any) -> None:
@@ -67,11 +64,7 @@ def retired_by(param: torch.Tensor) -> str:
 
 def install_optimizer_guard() -> None:
     """Make every optimizer check, before each step, that it holds no replaced parameter."""
-    global _guard_installed
-    with _guard_lock:
-        if not _guard_installed:
-            register_optimizer_step_pre_hook(_refuse_replaced_params)
-            _guard_installed = True
+    install_step_check(_refuse_replaced_params)
 
 
 def _refuse_replaced_params(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:

@@ -11,18 +11,17 @@ same bits at any world size that divides ``M``.
 
 from __future__ import annotations
 
-import threading
 import weakref
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .._common import comm
 from .._common.errors import on_rank
 from .._common.norm import scale_by_norm_
+from .._common.step_checks import install_step_check
 from ._norm import check_norm_type, invariant_grad_norm
 from ._stages import Stage, stage_of
 from ._tree import is_power_of_two
@@ -30,8 +29,6 @@ from ._tree import is_power_of_two
 __all__ = ["MicroBatches"]
 
 _unfinished: "weakref.WeakSet[MicroBatches]" = weakref.WeakSet()  # loops started and not run to their end
-_guard_lock = threading.Lock()
-_guard_installed = False
 
 
 class MicroBatches:
@@ -74,7 +71,7 @@ class MicroBatches:
         _check_counts(micro_batches, self._stage.world)
         self.indices: list[int] = self._stage.indices(micro_batches)
         self._position = 0  # micro-batches of the current loop done
-        _install_guard()
+        install_step_check(_refuse_unfinished_loops)  # a step after a loop left early raises
 
     @property
     def world_size(self) -> int:
@@ -157,15 +154,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _first_device(params: list[torch.Tensor]) -> torch.device:
     return _local(params[0]).device if params else torch.device("cpu")
-
-
-def _install_guard() -> None:
-    """Every optimizer step checks that no ``MicroBatches`` loop was left before its end."""
-    global _guard_installed
-    with _guard_lock:
-        if not _guard_installed:
-            register_optimizer_step_pre_hook(_refuse_unfinished_loops)
-            _guard_installed = True
 
 
 def _refuse_unfinished_loops(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
