@@ -22,7 +22,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from sharded import checkpoint, fully_shard
 from sharded.fsdp import MixedPrecisionPolicy, Owned, clip_grad_norm_, summon_full_params
-from tests._fsdp_reference import full_tensors
 from tests._harness import run_on_ranks
 from tests._models import gpt, gpt_loss, mlp_batch, mlp_loss, token_batch
 

@@ -12,10 +12,9 @@ same bits at any world size that divides ``M``.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .._common import comm
