@@ -286,6 +286,12 @@ def _check_refusals_in_one_process(rank, world):
         break
     with pytest.raises(RuntimeError, match="stopped after 0 of this rank's 4 micro-batches"):
         optimizer.step()
+    optimizer.zero_grad()
+    for index in micro_batches:
+        gpt_loss(model, token_batch(index, 0)).backward()
+    oss = OSS(model.parameters(), torch.optim.AdamW, lr=1e-2, broadcast_fp16=True)
+    with pytest.raises(NotImplementedError, match="OSS.broadcast_fp16=True. under MicroBatches"):
+        oss.step()
 
 
 def test_counts_the_tree_cannot_serve_and_misuse_are_refused_at_start():

@@ -28,6 +28,7 @@ from ._tree import is_power_of_two
 __all__ = ["MicroBatches"]
 
 _unfinished: "weakref.WeakSet[MicroBatches]" = weakref.WeakSet()  # loops started and not run to their end
+_live: "weakref.WeakSet[MicroBatches]" = weakref.WeakSet()  # every MicroBatches in use
 
 
 class MicroBatches:
@@ -70,7 +71,9 @@ class MicroBatches:
         _check_counts(micro_batches, self._stage.world)
         self.indices: list[int] = self._stage.indices(micro_batches)
         self._position = 0  # micro-batches of the current loop done
-        install_step_check(_refuse_unfinished_loops)  # a step after a loop left early raises
+        self._param_ids = {id(p) for p in self._stage.params()}
+        _live.add(self)
+        install_step_check(_refuse_steps_that_break_invariance)
 
     @property
     def world_size(self) -> int:
@@ -155,7 +158,18 @@ def _first_device(params: list[torch.Tensor]) -> torch.device:
     return _local(params[0]).device if params else torch.device("cpu")
 
 
-def _refuse_unfinished_loops(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+def _refuse_steps_that_break_invariance(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+    """Before every optimizer step: no ``MicroBatches`` loop was left before its end, and no
+    ``OSS`` stepping a ``MicroBatches`` model's parameters broadcasts them in fp16 (the ranks
+    that do not own a parameter would compute with a rounded copy, and which ranks those are
+    depends on the world size)."""
+    if getattr(optimizer, "broadcast_fp16", False) and _live:
+        ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if any(m._param_ids & ids for m in list(_live)):
+            raise NotImplementedError(on_rank(
+                "OSS(broadcast_fp16=True) under MicroBatches: the ranks that do not own a parameter would compute with "
+                "its fp16 copy, and which ranks those are changes with the world size; use broadcast_fp16=False"
+            ))
     unfinished = [m for m in list(_unfinished) if m._position < len(m.indices)]
     if unfinished:
         raise RuntimeError(on_rank(
