@@ -9,7 +9,8 @@ across shards. ``sharded.checkpoint`` saves and loads sharded, resharding checkp
 layer; ``sharded.lightning`` (optional) offers all three as Lightning strategies.
 ``estimate_memory`` and ``plan`` say what each stage holds per rank, and which fit a budget.
 ``newton_schulz_cost`` is the step cost ``OSS`` balances for Muon (pass your own as
-``param_cost``).
+``param_cost``). ``sharded.invariant.MicroBatches`` accumulates a global batch of micro-batches so
+that every stage reaches the same bits at any number of ranks.
 """
 
 from __future__ import annotations
