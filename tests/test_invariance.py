@@ -149,8 +149,33 @@ def _plain_accumulation(rank, world):
     return full_tensors(model.parameters()) if rank == 0 else None
 
 
+def _uneven(rank, stage):
+    """Parameters of awkward shapes (0-dim, one row, fewer rows than ranks) at stage 1 and 3:
+    the norm counts each row once, and both stages train the same bits."""
+    from tests._fsdp_reference import UnevenNet, uneven_batch, uneven_loss
+
+    model = UnevenNet()
+    if stage == "3":
+        for child in (model.lin, model.tiny, model.out):
+            fully_shard(child)
+        fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2) if stage == "3" else OSS(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    wrapped = model if stage == "3" else DDP(model)
+    micro_batches = MicroBatches(wrapped, M)
+    norms = []
+    for step in range(3):
+        optimizer.zero_grad()
+        for index in micro_batches:
+            uneven_loss(wrapped, uneven_batch(index, step)).backward()
+        norms.append(micro_batches.clip_grad_norm_(0.05))
+        optimizer.step()
+    full = checkpoint.get_state_dict(wrapped, optimizer, full=True)
+    return {"norms": torch.stack(norms), "params": full.get("model", {})} if rank == 0 else {}
+
+
 def _train_every_configuration(rank, world, directory):
     results = {config: _train(*config, rank) for config in CONFIGS}
+    results["uneven 1"], results["uneven 3"] = _uneven(rank, "1"), _uneven(rank, "3")
     results["fsdp"] = _train("fsdp", "adamw", "fp32", rank)
     results["plain"] = _plain_accumulation(rank, world)
     if world == 4:
@@ -235,6 +260,9 @@ def test_stages_hybrid_sharding_and_the_fsdp_wrapper_give_the_same_bits_as_each_
             _assert_identical(runs[world][(stage, "adamw", "fp32")], reference, f"stage {stage} at world {world} vs stage 1")
         _assert_identical(runs[world]["fsdp"], reference, f"FSDP wrapper at world {world} vs stage 1")
     _assert_identical(runs[4]["hybrid"], reference, "hybrid 2 x 2 at world 4 vs stage 1")
+    for world in (1, 2, 4):  # a 0-dim parameter, one row, fewer rows than ranks
+        _assert_identical(runs[world]["uneven 3"], runs[1]["uneven 1"], f"uneven shapes, stage 3 at world {world} vs stage 1")
+        _assert_identical(runs[world]["uneven 1"], runs[1]["uneven 1"], f"uneven shapes, stage 1 at world {world}")
 
 
 def test_without_micro_batches_the_world_sizes_differ(runs):

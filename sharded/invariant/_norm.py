@@ -60,9 +60,9 @@ def invariant_grad_norm(
 def _row_terms(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
     """``sum |x|**p`` of each row of ``grad``, each taken left to right."""
     g = grad.detach().float()
+    if g.numel() == 0:  # no rows here (a shard past a short parameter's last row), or empty rows
+        return torch.zeros(row_count(g.shape), dtype=torch.float32, device=g.device)
     rows = g.reshape(1, 1) if g.dim() == 0 else g.reshape(g.shape[0], -1)
-    if rows.shape[1] == 0:
-        return torch.zeros(rows.shape[0], dtype=torch.float32, device=rows.device)
     powered = rows * rows if norm_type == 2.0 else rows.abs().pow(norm_type)
     return powered.cumsum(dim=1)[:, -1]
 

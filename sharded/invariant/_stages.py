@@ -325,17 +325,25 @@ class ShardedStage(Stage):
         for p in self.params():
             sp = located.get(id(p))
             if p.grad is not None and sp is not None:
-                local = _local(p.grad)
-                if sp.owner is not None:
-                    if sp.held_here:
-                        rows.append((offset, local))
-                else:
-                    rows.append((offset + sp.shard_rank * sp.geometry.rows_per_shard if not sp.geometry.replicated else offset, local))
+                held = _rows_this_rank_answers_for(sp, offset)
+                if held is not None:
+                    rows.append((held, _local(p.grad)))
             offset += row_count(p.shape)
         return rows, offset, self.group
 
     def mean_group_order(self) -> list[dist.ProcessGroup]:
         return [group for group in (self.group, self.replicas) if group is not None]
+
+
+def _rows_this_rank_answers_for(sp: Any, offset: int) -> Optional[int]:
+    """Where the rows of ``sp`` this rank holds start among all rows, or ``None`` if another rank
+    answers for them: an owned parameter's owner; a 0-dim one, which every rank holds whole, the
+    shard group's rank 0; an element-sharded one's rows, each rank its own."""
+    if sp.owner is not None:
+        return offset if sp.held_here else None
+    if sp.geometry.replicated:
+        return offset if sp.shard_rank == 0 else None
+    return offset + sp.shard_rank * sp.geometry.rows_per_shard
 
 
 def _check_unit(unit: Any, info: Any) -> None:
