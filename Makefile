@@ -26,9 +26,18 @@ test: $(VENV)/.installed
 
 # MALLOC_MMAP_THRESHOLD_: freed tensors go back to the system, so measured peaks follow live bytes.
 # demo_out/ is the demo's own output, made afresh: its checkpoints are never overwritten in place.
+# The --invariant runs: the same global batches at 1 and at 2 ranks, each step's loss side by side.
+INVARIANT := examples/train_gpt.py --invariant --micro-batches 4 --stage 2 --steps 4 --layers 2 --dim 64 --val-batches 1
 demo: $(VENV)/.installed
 	rm -rf demo_out
 	MALLOC_MMAP_THRESHOLD_=65536 $(BIN)/torchrun --standalone --nproc-per-node 2 examples/train_gpt.py
+	@for n in 1 2; do \
+		$(BIN)/torchrun --standalone --nproc-per-node $$n $(INVARIANT) --out demo_out/invariant-$$n \
+			> demo_out/invariant-$$n.out 2> demo_out/invariant-$$n.err || { tail -20 demo_out/invariant-$$n.err; exit 1; }; \
+		awk '/^stage 2 step/ {print $$4, $$6}' demo_out/invariant-$$n.out > demo_out/invariant-$$n.txt; done
+	@echo; echo "--invariant --micro-batches 4 (ZeRO-2): each step's loss at 1 rank and at 2 ranks"
+	@paste -d' ' demo_out/invariant-1.txt demo_out/invariant-2.txt | awk '{printf "  step %s   %s   %s\n", $$1, $$2, $$4}'
+	@cmp -s demo_out/invariant-1.txt demo_out/invariant-2.txt && echo "  the same to the last digit" || { echo "  they differ"; exit 1; }
 	$(BIN)/python examples/fit_in_budget.py
 
 # The `bench` extra (DeepSpeed) goes in with the torch pin, so the resolver cannot swap torch.

@@ -4,6 +4,7 @@
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --stage 2 --accumulate 2 --amp bf16
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --stage 2 --resume
     torchrun --standalone --nproc-per-node 2 --max-restarts 3 examples/train_gpt.py --stage 2 --resume
+    torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --stage 3 --invariant --micro-batches 8
 
 Stages, on the same model code: ``ddp`` = DDP + AdamW; ``1`` = DDP + ``sharded.OSS(AdamW)``
 (optimizer state sharded); ``2`` = ``sharded.ShardedDataParallel`` + ``OSS`` (gradients sharded
@@ -18,6 +19,15 @@ complete. ``--resume`` continues from the latest complete one, at any number of 
 dies, the others stop within ``--timeout`` seconds; under ``torchrun --max-restarts N`` the job
 restarts and resumes, ending exactly where an uninterrupted run ends (the batches of a step
 depend only on the step and the rank).
+
+``--invariant --micro-batches M`` trains the same bits at any number of ranks that divides ``M``
+(``sharded.MicroBatches``; ``M`` a power of two): ``--batch`` is then the global batch, ``M``
+micro-batches of ``batch / M`` sequences, each drawn from (step, micro-batch index) alone, and the
+gradients, the clipping norm, the printed losses (rank 0, one line a step), the validation loss,
+the parameters and the optimizer state come out bit-identical at 1, 2, 4... ranks. So does a run
+saved at one world size and resumed at another. On the CPU each rank then uses ``--threads``
+intra-op threads (default 1) whatever the world size, since a matrix product's bits depend on how
+it is split over threads; on CUDA deterministic algorithms are switched on.
 
 On GPUs the same script uses NCCL, one rank per GPU (``--nproc-per-node`` = GPUs per node). Across
 machines use torchrun's usual rendezvous instead of ``--standalone``, on every node::
@@ -51,6 +61,7 @@ from gpt import GPT, next_token_loss  # examples/gpt.py, beside this script
 from peak_memory import DataPeak
 import sharded
 from sharded import OSS, ShardedDataParallel, ShardedGradScaler, checkpoint, fully_shard
+from sharded.invariant import MicroBatches
 
 VOCAB = 256  # bytes
 
@@ -83,7 +94,11 @@ def build(stage: str, model: GPT, args):
 
 
 @torch.no_grad()
-def validation_loss(model: nn.Module, val: torch.Tensor, args, device) -> float:
+def validation_loss(model: nn.Module, val: torch.Tensor, args, device, micro_batches: Optional[MicroBatches]) -> float:
+    """The mean loss on held-out text: ``--val-batches`` batches per rank, averaged over the ranks
+    (with ``--invariant``: :func:`invariant_validation_loss`)."""
+    if micro_batches is not None:
+        return invariant_validation_loss(model, micro_batches, val, args, device)
     g = torch.Generator().manual_seed(1234)  # the same validation batches every time
     total = torch.zeros((), device=device)
     for _ in range(args.val_batches):
@@ -91,6 +106,27 @@ def validation_loss(model: nn.Module, val: torch.Tensor, args, device) -> float:
             total += next_token_loss(model, sample(val, g, args.batch, args.seq, device))
     dist.all_reduce(total)
     return total.item() / args.val_batches / dist.get_world_size()
+
+
+@torch.no_grad()
+def invariant_validation_loss(model: nn.Module, micro_batches: MicroBatches, val: torch.Tensor, args, device) -> float:
+    """``--val-batches`` global batches of held-out text, the same bits at every world size: each
+    micro-batch drawn from (batch, index) alone, each batch's mean taken by ``MicroBatches.mean``
+    (the canonical tree) and the batches' means added in order on every rank."""
+    total = 0.0
+    for batch in range(args.val_batches):
+        losses = []
+        for index in micro_batches.indices:
+            g = torch.Generator().manual_seed(batch * args.micro_batches + index)
+            with autocast(args, device):
+                losses.append(next_token_loss(model, sample(val, g, micro_batch_size(args), args.seq, device)))
+        total += micro_batches.mean(losses).item()
+    return total / args.val_batches
+
+
+def micro_batch_size(args) -> int:
+    """Sequences in one forward: ``--batch / M`` with ``--invariant``, else ``--batch``."""
+    return args.batch // args.micro_batches if args.invariant else args.batch
 
 
 def autocast(args, device):
@@ -105,41 +141,42 @@ def train_stage(stage: str, args, device, train: torch.Tensor, val: torch.Tensor
     torch.manual_seed(0)
     model = GPT(VOCAB, args.dim, args.layers, args.heads, args.seq).to(device)
     wrapped, optimizer = build(stage, model, args)
+    micro_batches = MicroBatches(wrapped, args.micro_batches) if args.invariant else None
     scaler = ShardedGradScaler(enabled=args.amp == "fp16", device=device.type)
     checkpoints = Path(args.out) / "checkpoints" / f"stage-{stage}"
     start = resume(checkpoints, wrapped, optimizer, scaler) if args.resume else 0
     progress = progress_bar(rank, start, args.steps, stage)
-    tokens_per_step = args.batch * args.seq * args.accumulate * world
-    first_val = validation_loss(wrapped, val, args, device)
+    tokens_per_step = args.batch * args.seq * (1 if args.invariant else args.accumulate * world)
+    first_val = validation_loss(wrapped, val, args, device, micro_batches)
     peak: Optional[int] = None
     tick = time.perf_counter()
     for step in range(start, args.steps):
         crash_if_asked(step, args.crash_at)
-        g = torch.Generator().manual_seed(step * world + rank)  # a step's batches depend on nothing else
         optimizer.zero_grad()
-        for micro in range(args.accumulate):
-            last = micro == args.accumulate - 1
-            with (contextlib.nullcontext() if last else wrapped.no_sync()), autocast(args, device):
-                loss = next_token_loss(wrapped, sample(train, g, args.batch, args.seq, device)) / args.accumulate
-            scaler.scale(loss).backward()
+        if micro_batches is None:
+            losses = accumulated_backward(step, wrapped, scaler, train, args, device)
+        else:
+            losses = invariant_backward(step, wrapped, micro_batches, scaler, train, args, device)
         grads = held_bytes(p.grad for p in model.parameters() if p.grad is not None)
         scaler.unscale_(optimizer)
-        if isinstance(optimizer, OSS):
-            optimizer.clip_grad_norm(1.0)
-        else:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        clip_gradients(model, optimizer, micro_batches)
         scaler.step(optimizer)
         scaler.update()
+        loss = micro_batches.mean(losses).item() if micro_batches else losses[-1].item()
         now = time.perf_counter()
-        progress.set_postfix(loss=f"{loss.item() * args.accumulate:.3f}", tok_s=f"{tokens_per_step / (now - tick):,.0f}")
+        progress.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / (now - tick):,.0f}")
         progress.update()
+        if micro_batches is not None and rank == 0:  # every digit, to compare runs at other world sizes
+            progress.write(f"stage {stage} step {step + 1} loss {loss:.7f}")
         tick = now
         if checkpoint_due(step + 1, args):
             peak = peak_meter.rise() if peak is None else peak  # the steps' peak, not the checkpoint writer's
             save(checkpoints, step + 1, wrapped, optimizer, scaler)
     progress.close()
     peak = peak_meter.rise() if peak is None else peak
-    final_val = validation_loss(wrapped, val, args, device)
+    final_val = validation_loss(wrapped, val, args, device, micro_batches)
+    if micro_batches is not None and rank == 0:
+        print(f"stage {stage} validation loss {first_val:.7f} -> {final_val:.7f}")
     local = optimizer.optim if isinstance(optimizer, OSS) else optimizer
     state = held_bytes(v for s in local.state.values() for v in s.values() if torch.is_tensor(v))
     return {
@@ -149,6 +186,44 @@ def train_stage(stage: str, args, device, train: torch.Tensor, val: torch.Tensor
         "state": gather(state, device),
         "peak": gather(peak, device),
     }
+
+
+def accumulated_backward(step: int, wrapped: nn.Module, scaler, train: torch.Tensor, args, device) -> list[torch.Tensor]:
+    """Forward and backward of this rank's ``--accumulate`` micro-batches, drawn from (step, rank),
+    under ``no_sync`` but the last; returns the last one's loss."""
+    g = torch.Generator().manual_seed(step * dist.get_world_size() + dist.get_rank())  # nothing else
+    for micro in range(args.accumulate):
+        last = micro == args.accumulate - 1
+        with (contextlib.nullcontext() if last else wrapped.no_sync()), autocast(args, device):
+            loss = next_token_loss(wrapped, sample(train, g, args.batch, args.seq, device))
+        scaler.scale(loss / args.accumulate).backward()
+    return [loss.detach()]
+
+
+def invariant_backward(step: int, wrapped: nn.Module, micro_batches: MicroBatches, scaler, train: torch.Tensor,
+                       args, device) -> list[torch.Tensor]:
+    """Forward and backward of this rank's micro-batches of the step's global batch, each drawn
+    from (step, index) alone and each its own mean loss; after the loop the gradients hold the
+    mean over all of them, the same bits at any world size. Returns this rank's losses."""
+    losses = []
+    for index in micro_batches:
+        g = torch.Generator().manual_seed(step * args.micro_batches + index)
+        with autocast(args, device):
+            loss = next_token_loss(wrapped, sample(train, g, micro_batch_size(args), args.seq, device))
+        scaler.scale(loss).backward()
+        losses.append(loss.detach())
+    return losses
+
+
+def clip_gradients(model: nn.Module, optimizer, micro_batches: Optional[MicroBatches]) -> None:
+    """Clip by the global gradient norm 1.0: the world-size-invariant norm with ``--invariant``,
+    ``OSS``'s (gradients spread over owners) or torch's otherwise."""
+    if micro_batches is not None:
+        micro_batches.clip_grad_norm_(1.0)
+    elif isinstance(optimizer, OSS):
+        optimizer.clip_grad_norm(1.0)
+    else:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
 
 
 def checkpoint_due(done: int, args) -> bool:
@@ -219,7 +294,7 @@ def estimated(stage: str, args) -> "sharded.MemoryEstimate":
     return sharded.estimate_memory(
         model, world_size=dist.get_world_size(), stage=0 if stage == "ddp" else int(stage), optimizer=torch.optim.AdamW,
         optimizer_kwargs=dict(lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95)), wrap={Block}, built_whole=True,
-        example_input=torch.zeros(args.batch, args.seq + 1, dtype=torch.long), loss_fn=next_token_loss)
+        example_input=torch.zeros(micro_batch_size(args), args.seq + 1, dtype=torch.long), loss_fn=next_token_loss)
 
 
 def report(results: dict, out: Path, args) -> None:
@@ -257,7 +332,41 @@ def init_process_group(backend: str, timeout: datetime.timedelta) -> None:
                             rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
 
 
-def main() -> None:
+def check_invariant_arguments(parser: argparse.ArgumentParser, args) -> None:
+    """Refuse what ``--invariant`` cannot keep invariant, before any rank starts."""
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be at least 1, got {args.threads}")
+    if not args.invariant:
+        if args.micro_batches is not None:
+            parser.error("--micro-batches belongs to --invariant (without it, --accumulate N accumulates per rank)")
+        return
+    m = args.micro_batches
+    if m is None or m < 1 or m & (m - 1):
+        parser.error(f"--invariant needs --micro-batches M, a power of two (1, 2, 4, 8...), got {m}")
+    if args.batch % m:
+        parser.error(f"--invariant: --batch {args.batch} is the global batch and must split into {m} equal micro-batches")
+    if args.accumulate != 1:
+        parser.error("--invariant accumulates the --micro-batches itself; drop --accumulate")
+
+
+def check_invariant_world(args) -> None:
+    """With ``--invariant``, the ranks must share the micro-batches evenly (a power of two, since M is)."""
+    world = dist.get_world_size()
+    if args.invariant and args.micro_batches % world:
+        raise SystemExit(f"--invariant: {world} ranks cannot share {args.micro_batches} micro-batches evenly; "
+                         f"run at a number of ranks dividing {args.micro_batches}")
+
+
+def cpu_threads(args) -> int:
+    """Intra-op threads per rank: ``--threads``; by default 1 with ``--invariant`` (a matrix product's
+    bits depend on its threads, so they must not change with the world size), else the cores shared out."""
+    if args.threads is not None:
+        return args.threads
+    return 1 if args.invariant else max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    """The command line, checked (argparse's usage error, exit status 2, on a mistake)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stage", default="ddp,1,2,3", help="comma-separated: ddp, 1, 2, 3")
     parser.add_argument("--steps", type=int, default=150)
@@ -278,17 +387,32 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--val-batches", type=int, default=8)
-    args = parser.parse_args()
+    parser.add_argument("--invariant", action="store_true",
+                        help="the same bits at any number of ranks dividing --micro-batches (--batch is then global)")
+    parser.add_argument("--micro-batches", type=int, default=None,
+                        help="with --invariant: micro-batches per step, a power of two dividing --batch")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="intra-op threads per rank on the CPU (default: the cores shared out; 1 with --invariant)")
+    args = parser.parse_args(argv)
     if args.save_every < 0:
         parser.error(f"--save-every must be 0 (save at the end only) or a number of steps, got {args.save_every}")
+    check_invariant_arguments(parser, args)
+    return args
 
+
+def main() -> None:
+    args = parse_args()
     use_cuda = torch.cuda.is_available()
+    if use_cuda and args.invariant:  # before CUDA starts: cuBLAS is deterministic only with this workspace
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     init_process_group("nccl" if use_cuda else "gloo", datetime.timedelta(seconds=args.timeout))
+    check_invariant_world(args)
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         device = torch.device("cuda")
     else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+        torch.set_num_threads(cpu_threads(args))
         device = torch.device("cpu")
     for module in ("torch._dynamo", "sharded.fsdp.api"):  # DDP's first build imports dynamo: not in a stage's peak
         importlib.import_module(module)

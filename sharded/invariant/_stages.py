@@ -102,8 +102,9 @@ def stage_of(model: nn.Module) -> Stage:
 
 def check_no_gradients(params: list[torch.Tensor]) -> None:
     """A step's canonical sum starts from nothing: ``zero_grad()`` must have run."""
-    held = [g for g in (p.grad for p in params) if g is not None]
-    if held and bool(torch.stack([_local(g).abs().amax() if _local(g).numel() else _local(g).new_zeros(()) for g in held]).amax() > 0):
+    held = [_local(g) for g in (p.grad for p in params) if g is not None]
+    # ``!= 0`` and not ``abs().amax() > 0``: a NaN left by a step the scaler skipped counts as held
+    if held and bool(torch.stack([(g != 0).any() for g in held]).any()):
         raise RuntimeError(on_rank(
             "MicroBatches: parameters hold gradients as the micro-batch loop starts; call optimizer.zero_grad() "
             "before it (the loop sums the micro-batches' gradients in its own order and lands their mean)"
