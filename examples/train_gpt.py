@@ -21,7 +21,7 @@ restarts and resumes, ending exactly where an uninterrupted run ends (the batche
 depend only on the step and the rank).
 
 ``--invariant --micro-batches M`` trains the same bits at any number of ranks that divides ``M``
-(``sharded.MicroBatches``; ``M`` a power of two): ``--batch`` is then the global batch, ``M``
+(``sharded.invariant.MicroBatches``; ``M`` a power of two): ``--batch`` is then the global batch, ``M``
 micro-batches of ``batch / M`` sequences, each drawn from (step, micro-batch index) alone, and the
 gradients, the clipping norm, the printed losses (rank 0, one line a step), the validation loss,
 the parameters and the optimizer state come out bit-identical at 1, 2, 4... ranks. So does a run
