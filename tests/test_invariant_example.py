@@ -1,7 +1,7 @@
 """``examples/train_gpt.py --invariant`` keeps its bits when the number of ranks changes under it.
 
 The reference is one run at 4 ranks: ZeRO-2, then ZeRO-3, bf16 autocast, a global batch of 4
-micro-batches of one sequence, 10 steps. ``sharded.MicroBatches`` makes every step's gradients,
+micro-batches of one sequence, 10 steps. ``sharded.invariant.MicroBatches`` makes every step's gradients,
 clipping norm and loss the same bits at any world size dividing 4, so a run whose world size
 changes between checkpoints must end with the reference's model and optimizer state, bit for bit:
 
