@@ -182,12 +182,15 @@ def accumulation_cells(impl: str, rows: dict, name: str) -> list[str]:
         return f"{mine / theirs:.2f}" if theirs else "-"
 
     def step_versus() -> str:
-        """The step ratio, ± half the spread of the per-round ratios (the rows took turns)."""
+        """The median of the per-round step ratios, ± half their spread. The rows take turns, so a
+        round's two steps ran seconds apart: on this shared machine, whose load comes and goes,
+        a paired ratio is steadier than the ratio of the two medians."""
         if not default:
             return "-"
         per_round = [statistics.median(a) / statistics.median(b) for a, b in zip(row["round_steps_s"], default["round_steps_s"])]
-        noise = (max(per_round) - min(per_round)) / 2 if per_round else 0.0
-        return f"{row['median_step_s'] / default['median_step_s']:.2f} ± {noise:.2f}"
+        if not per_round:
+            return "-"
+        return f"{statistics.median(per_round):.2f} ± {(max(per_round) - min(per_round)) / 2:.2f}"
 
     def diff(key: str) -> str:
         value = row.get(key, float("nan"))
