@@ -45,16 +45,21 @@ $(VENV)/.bench-installed: $(VENV)/.installed setup.cfg
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)" -e '.[bench]'
 	touch $@
 
-# Two launches: all twenty implementations' 40M models at once need more memory than 24 GiB.
+# Several launches: all twenty implementations' 40M models at once need more memory than 24 GiB.
 LAYERS_12 := ideal,ddp,torch_zero,fairscale,zero1,zero2,zero2_overlap,zero2_static,zero2_fp16,zero2_compile,zero2_unused,ds_zero1,ds_zero2
 LAYER_3 := ideal,ddp,fsdp2,fsdp2_no_reshard,fsdp1,zero3,zero3_grad_op,ds_zero3,fsdp2_compile,zero3_compile
 # Muon over the blocks' matrices (10m only: Newton-Schulz in bf16 on the CPU is slow at 40m)
 MUON := ddp_muon,zero2_muon,fsdp2_muon,zero3_muon
+# The invariant mode (sharded.invariant.MicroBatches) against the usual accumulation, per stage, 8 micro-batches;
+# turns of one step, since its table pairs each invariant step with its default row's step of the same round
+ACCUMULATION := zero1_accum,zero1_invariant,zero2_accum,zero2_invariant,zero3_accum,zero3_accum_nosync,zero3_invariant
 bench: $(VENV)/.bench-installed
 	$(BIN)/python benchmarks/bench.py --impls $(LAYERS_12) --zero-worlds '' --out bench_out/layers12
 	$(BIN)/python benchmarks/bench.py --impls $(LAYER_3) --out bench_out/layer3
 	$(BIN)/python benchmarks/bench.py --impls $(MUON) --sizes 10m --zero-worlds '' --out bench_out/muon
-	$(BIN)/python benchmarks/report.py bench_out/layers12/bench.json bench_out/layer3/bench.json bench_out/muon/bench.json > bench_out/tables.md
+	$(BIN)/python benchmarks/bench.py --impls $(ACCUMULATION) --sizes 10m --micro-batches 8 --turn 1 --zero-worlds '' --out bench_out/invariant
+	$(BIN)/python benchmarks/report.py bench_out/layers12/bench.json bench_out/layer3/bench.json bench_out/muon/bench.json \
+		bench_out/invariant/bench.json > bench_out/tables.md
 
 # What only a GPU can show; run it first on any machine lent with one. The device-agnostic tests
 # on CUDA when torch sees a GPU, else on the CPU (the same code: CI runs every line), then

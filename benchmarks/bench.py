@@ -22,7 +22,8 @@ resident set before the model is built, which then follows live bytes, less the 
 library code mapped meanwhile: examples/peak_memory.py); bytes and calls
 communicated per step, counted at the Python collective level as algorithmic bytes per rank
 (ring model: all-reduce moves 2(W-1)/W of its tensor, reduce, broadcast, all-gather and
-reduce-scatter (W-1)/W); DDP's gradient all-reduce runs in its C++ reducer, out of Python's
+reduce-scatter (W-1)/W; an all-to-all sends its input less the piece it keeps, (W-1)/W of it
+with equal pieces); DDP's gradient all-reduce runs in its C++ reducer, out of Python's
 sight, so it is added from the gradient sizes. Finally the last loss and the largest parameter
 difference to DDP after the same batches: a fast but wrong result shows.
 
@@ -32,6 +33,18 @@ alone beside the whole step's (``optim ms``, every row has it): DDP (every rank 
 every matrix), ZeRO-2 (each owner its own), torch's FSDP2 (Muon on DTensor shards, whose matrix
 products gather each matrix on every rank) and ZeRO-3 with the matrices placed ``Owned()``.
 Their parameter difference is taken against ``ddp_muon``.
+
+The gradient-accumulation rows (``zero1_accum``, ``zero1_invariant``, ``zero2_accum``,
+``zero2_invariant``, ``zero3_accum``, ``zero3_accum_nosync``, ``zero3_invariant``; issue 29) run
+every step as ``--micro-batches`` M micro-batches of one global batch that does not depend on
+the world size: the usual accumulation under the wrapper's ``no_sync()`` (or, at stage 3, a
+reduce-scatter every micro-batch, or ``set_requires_gradient_sync(False)``) against the same
+model, data and Adam through ``sharded.invariant.MicroBatches``, whose results are the same bits
+at every world size (benchmarks/accumulation.py says what each does and what its ``compute``,
+``between`` and ``after`` phases time). Beside the usual columns they report the loss over the
+global batch, each invariant row's parameter difference to its stage's default row and every
+row's to the launch's first invariant row, and a digest of the parameters' bytes that other
+launches (other world sizes) can be compared with.
 
 Two ZeRO-2 variants show what survives outside the plain case: ``zero2_compile`` runs the model
 through ``torch.compile`` (inductor) and ``zero2_unused`` adds one parameter that never gets a
@@ -53,6 +66,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import platform
@@ -72,6 +86,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from gpt import GPT, next_token_loss  # noqa: E402  (examples/gpt.py: the model every job shares)
 from peak_memory import DataPeak  # noqa: E402
+
+from accumulation import (  # noqa: E402  (benchmarks/accumulation.py: the invariant mode's rows)
+    ACCUMULATION, ACCUMULATION_HEAD, DEFAULT_OF, MICRO_BATCHES_ENV, AccumulatedSteps, accumulation_cells,
+    accumulation_rows, build_accumulation, reference_invariant,
+)
 
 IMPLS = {
     "ideal": "ideal: no communication, 1/N step",
@@ -99,6 +118,7 @@ IMPLS = {
     "zero2_muon": "sharded OSS(Muon) + OSS(Adam) + SDP",
     "fsdp2_muon": "torch fully_shard + Muon on shards",
     "zero3_muon": "sharded fully_shard, Owned() + Muon",
+    **ACCUMULATION,
 }
 SHORT_NAMES = {"ddp": "DDP", "torch_zero": "torch ZeRO\n+ DDP", "fairscale": "fairscale\nOSS + SDP",
                "zero1": "sharded\nOSS + DDP", "zero2": "sharded\nOSS + SDP",
@@ -110,7 +130,8 @@ SHORT_NAMES = {"ddp": "DDP", "torch_zero": "torch ZeRO\n+ DDP", "fairscale": "fa
                "ds_zero1": "DeepSpeed\nZeRO-1", "ds_zero2": "DeepSpeed\nZeRO-2", "ds_zero3": "DeepSpeed\nZeRO-3",
                "fsdp2_compile": "torch FSDP2\ncompiled", "zero3_compile": "sharded ZeRO-3\ncompiled",
                "ddp_muon": "DDP\nMuon", "zero2_muon": "sharded ZeRO-2\nMuon", "fsdp2_muon": "torch FSDP2\nMuon",
-               "zero3_muon": "sharded ZeRO-3\nOwned + Muon"}
+               "zero3_muon": "sharded ZeRO-3\nOwned + Muon",
+               **{impl: name.replace(", ", "\n") for impl, name in ACCUMULATION.items()}}
 # The Muon rows: torch.optim.Muon over the blocks' matrices, Adam over the rest (embeddings, head,
 # norms, biases), each compared with DDP + the same two optimizers
 MUON = {"ddp_muon", "zero2_muon", "fsdp2_muon", "zero3_muon"}
@@ -125,10 +146,10 @@ SIZES = {"10m": dict(dim=384, layers=6, batch=8, seq=128), "40m": dict(dim=640, 
          "40m-short": dict(dim=640, layers=8, batch=1, seq=32)}
 COLLECTIVES = {"all_reduce": 2, "reduce": 1, "broadcast": 1, "all_gather": 1, "all_gather_into_tensor": 1,
                "all_gather_single": 1, "reduce_scatter": 1, "reduce_scatter_tensor": 1, "reduce_scatter_single": 1,
-               "send": None, "recv": None}
+               "all_to_all_single": 1, "send": None, "recv": None}
 # the argument holding the full-size tensor, where it is not the first: a reduce-scatter's input
 FULL_SIZE_ARG = {"reduce_scatter": (1, "input_list"), "reduce_scatter_tensor": (1, "input"),
-                 "reduce_scatter_single": (1, "input")}
+                 "reduce_scatter_single": (1, "input"), "all_to_all_single": (1, "input")}
 VOCAB = 256
 LR = 1e-3
 
@@ -153,6 +174,8 @@ def build(impl: str, model: nn.Module):
         mine = Partition.build([list(model.parameters())], dist.get_world_size()).owned_by_group(dist.get_rank())[0]
         opt = torch.optim.Adam(mine, lr=LR)
         return model, opt, True, opt
+    if impl in ACCUMULATION:
+        return build_accumulation(impl, model, LR)
     if impl in MUON:
         return build_muon(impl, model)
     if impl == "zero2_unused":  # defined last: the first gradient the initial reduce order expects
@@ -350,20 +373,28 @@ def full_named_params(impl: str, wrapped: nn.Module, model: nn.Module) -> dict[s
 
 def train_step(size, setup, step, rank, device):
     wrapped, opt, set_to_none, _ = setup
-    tokens = tokens_for(size, step, rank, device)
     opt.zero_grad(set_to_none=set_to_none)
-    loss = next_token_loss(wrapped, tokens)
+    if isinstance(opt, AccumulatedSteps):  # M micro-batches, default or invariant
+        loss = opt.forward_backward(SIZES[size], VOCAB, step, device, next_token_loss)
+        grad_bytes = sum(local_nbytes(p.grad) for p in wrapped.parameters() if p.grad is not None)
+        return loss, grad_bytes, optimizer_step_seconds(opt, device)
+    loss = next_token_loss(wrapped, tokens_for(size, step, rank, device))
     if isinstance(opt, DeepSpeedSteps):
         opt.backward(loss)
         grad_bytes = opt.grad_bytes()
     else:
         loss.backward()
         grad_bytes = sum(local_nbytes(p.grad) for p in wrapped.parameters() if p.grad is not None)
+    return loss.item(), grad_bytes, optimizer_step_seconds(opt, device)
+
+
+def optimizer_step_seconds(opt, device) -> float:
+    """Step ``opt``; the seconds it took."""
     started = time.perf_counter()
     opt.step()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return loss.item(), grad_bytes, time.perf_counter() - started
+    return time.perf_counter() - started
 
 
 class CollectiveCounter:
@@ -403,9 +434,8 @@ class CollectiveCounter:
         def counted(*args, **kwargs):
             if self._inside_gather:
                 return fn(*args, **kwargs)
-            nbytes = full_size_bytes(name, args, kwargs)
             self.calls += 1
-            self.bytes += nbytes * (factor * (world - 1) / world if factor else 1)
+            self.bytes += sent_bytes(name, factor, world, args, kwargs)
             return fn(*args, **kwargs)
 
         return counted
@@ -429,6 +459,19 @@ class CollectiveCounter:
         backend = self._deepspeed_backend()
         if backend is not None and self._ds_saved is not None:
             backend.all_gather_function, backend.reduce_scatter_function = self._ds_saved
+
+
+def sent_bytes(name: str, factor, world: int, args, kwargs) -> float:
+    """Algorithmic bytes this rank sends in one call: ``factor`` x (W-1)/W of the full-size tensor
+    (ring model), or all of it for point-to-point (``factor`` None). An all-to-all sends its input
+    less the piece it keeps: (W-1)/W of it with equal pieces, exactly so with uneven ones."""
+    nbytes = full_size_bytes(name, args, kwargs)
+    if name == "all_to_all_single":
+        splits = kwargs.get("input_split_sizes", args[3] if len(args) > 3 else None)
+        if splits:
+            kept = splits[dist.get_rank(kwargs.get("group", args[4] if len(args) > 4 else None))]
+            return nbytes * (1 - kept / sum(splits))
+    return nbytes * (factor * (world - 1) / world if factor else 1)
 
 
 def full_size_bytes(name: str, args, kwargs) -> int:
@@ -472,6 +515,7 @@ def timing_rank(rank, world, args, store_path, results_path):
         optim_steps = {impl: [] for impl in args.impls}  # timed optimizer steps alone (slowest rank)
         overlaps = {impl: [] for impl in args.impls}
         overlap_bytes = {impl: [] for impl in args.impls}
+        phases = {impl: [] for impl in args.impls}  # the accumulation rows' phases (slowest rank each)
         losses, grads = {}, {}
         step_of = {impl: 0 for impl in args.impls}
         rounds = args.warmup + args.steps
@@ -488,6 +532,8 @@ def timing_rank(rank, world, args, store_path, results_path):
                     if step_of[impl] >= args.warmup:
                         this_round.append(elapsed)
                         optim_steps[impl].append(max(gather(optim_s, device)))
+                        if isinstance(setups[impl][1], AccumulatedSteps):
+                            phases[impl].append({k: max(gather(v, device)) for k, v in setups[impl][1].phases.items()})
                         stats = getattr(setups[impl][0], "backward_stats", None)
                         if stats is not None:
                             overlaps[impl].append(stats.overlap)
@@ -496,16 +542,20 @@ def timing_rank(rank, world, args, store_path, results_path):
                 if this_round:
                     rounds_of[impl].append(this_round)
         references = {base: dict(models[base].named_parameters()) for base in ("ddp", "ddp_muon") if base in models}
+        accumulated = {}  # the accumulation rows' full parameters, compared after the loop
         for impl in args.impls:
             with CollectiveCounter() as counter:
                 train_step(size, setups[impl], step_of[impl], rank, device)
             named = full_named_params(impl, setups[impl][0], models[impl])
+            if isinstance(setups[impl][1], AccumulatedSteps):
+                losses[impl] = setups[impl][1].global_loss()
+                accumulated[impl] = named
             reference = references.get("ddp_muon" if impl in MUON else "ddp", {})
             common = [name for name in named if name in reference]
             exact = impl != "ideal" and common
             diff = max((named[n] - reference[n]).abs().max().item() for n in common) if exact else float("nan")
             ddp_bytes = 0.0
-            if impl in ("ddp", "torch_zero", "zero1", "ddp_muon"):  # DDP's C++ all-reduce of every gradient
+            if impl in ("ddp", "torch_zero", "zero1", "ddp_muon", "zero1_accum"):  # DDP's C++ all-reduce of every gradient
                 ddp_bytes = sum(p.numel() * p.element_size() for p in named.values()) * 2 * (world - 1) / world
             overlap, early_bytes = (statistics.mean(gather(statistics.median(xs[impl]), device)) if xs[impl] else None
                                     for xs in (overlaps, overlap_bytes))
@@ -523,11 +573,45 @@ def timing_rank(rank, world, args, store_path, results_path):
                 "max_param_diff_vs_ddp": diff,
                 "params": sum(p.numel() for p in named.values()),
                 "param_bytes": gather(held_param_bytes(setups[impl][0]), device),
+                "param_digest": digest(named),
+                **median_phases(phases[impl]),
             }
+        compare_accumulation(report[size], accumulated)
         del setups, models
     if rank == 0:
         Path(results_path).write_text(json.dumps(report))
     finish_rank()
+
+
+def digest(named: dict[str, torch.Tensor]) -> str:
+    """The first 12 hex digits of a SHA-256 over every parameter's bytes, in name order: equal
+    digests are the same bits, across rows and across launches (other world sizes)."""
+    h = hashlib.sha256()
+    for name in sorted(named):
+        h.update(name.encode())
+        h.update(named[name].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:12]
+
+
+def median_phases(steps: list[dict[str, float]]) -> dict[str, float]:
+    """The median of each phase an accumulation row timed, over its timed steps."""
+    return {f"median_{key}": statistics.median(step[key] for step in steps) for key in (steps[0] if steps else {})}
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max((a[n] - b[n]).abs().max().item() for n in a)
+
+
+def compare_accumulation(rows: dict, full: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Each accumulation row's largest parameter difference to its stage's default row (invariant
+    rows) and to the launch's first invariant row (every row), in place."""
+    first = reference_invariant(rows)
+    for impl in full:
+        default = DEFAULT_OF.get(impl)
+        if default in full:
+            rows[impl]["max_param_diff_vs_default"] = max_abs_diff(full[impl], full[default])
+        if first is not None:
+            rows[impl]["max_param_diff_vs_invariant"] = max_abs_diff(full[impl], full[first])
 
 
 def ratios_to_ideal(rows: dict) -> None:
@@ -565,6 +649,8 @@ def import_libraries(impl: str) -> None:
     """Import what ``build`` imports for ``impl``, so that library code stays out of its peak."""
     if impl in DEEPSPEED:
         import deepspeed  # noqa: F401
+    elif impl in ACCUMULATION:
+        import sharded.invariant  # noqa: F401
     elif impl == "fairscale":
         import fairscale.nn  # noqa: F401
         import fairscale.optim  # noqa: F401
@@ -665,6 +751,17 @@ def print_table(report, world) -> None:
                   f"{mib(r.get('param_bytes', [])):>17}{mib(r['state_bytes']):>18}{mib(r['grad_bytes']):>18}"
                   f"{mib(peak_of(r)):>16}{r['comm_bytes'] / 2**20:>10.1f}{sent_per_model(r, world):>8.2f}"
                   f"{r['comm_calls_python']:>7}{r['final_loss']:>8.4f}{r['max_param_diff_vs_ddp']:>10.2e}")
+        if accumulation_rows(rows):
+            print_accumulation_table(rows)
+
+
+def print_accumulation_table(rows: dict) -> None:
+    """The invariant mode against the default accumulation, per stage (report.py's table, as text)."""
+    table = [ACCUMULATION_HEAD] + [accumulation_cells(impl, rows, IMPLS[impl]) for impl in accumulation_rows(rows)]
+    widths = [max(len(cells[i]) for cells in table) for i in range(len(ACCUMULATION_HEAD))]
+    print()
+    for cells in table:
+        print("  ".join(cell.rjust(width) if i else cell.ljust(width) for i, (cell, width) in enumerate(zip(cells, widths))))
 
 
 def peak_of(row: dict) -> list[float]:
@@ -801,7 +898,10 @@ def main() -> None:
     parser.add_argument("--zero-worlds", type=lambda s: [int(w) for w in s.split(",") if w], default=[2, 4],
                         help="world sizes of the DDP / ZeRO-1/2/3 bytes-per-parameter table ('' to skip)")
     parser.add_argument("--profile", metavar="IMPL", help="profile IMPL on the first of --sizes instead")
+    parser.add_argument("--micro-batches", type=int, default=8,
+                        help="M, the micro-batches of every step's global batch in the accumulation rows")
     args = parser.parse_args()
+    os.environ[MICRO_BATCHES_ENV] = str(args.micro_batches)  # read in the ranks (benchmarks/accumulation.py)
     if not torch.cuda.is_available():  # read by DeepSpeed's import in the ranks: its CPU accelerator, gloo
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if args.profile:
@@ -809,7 +909,7 @@ def main() -> None:
             print(f"\n--- rank {rank}: {IMPLS[args.profile]}, {args.sizes[0]}, per step ---\n{text}")
         return
 
-    started = time.time()
+    started, load_before = time.time(), os.getloadavg()  # the shared machine's load, before our ranks
     report = launch(timing_rank, args.world, args)
     if not args.no_memory:
         for size, rows in report.items():
@@ -822,7 +922,8 @@ def main() -> None:
     zero = zero_memory(args.sizes[0], args.zero_worlds, out) if args.zero_worlds else None
     meta = {"world": args.world, "torch": torch.__version__, "machine": f"{platform.machine()}, {os.cpu_count()} cores",
             "backend": "nccl" if torch.cuda.is_available() else "gloo", "command": " ".join(sys.argv),
-            "seconds": round(time.time() - started)}
+            "micro_batches": args.micro_batches, "seconds": round(time.time() - started),
+            "load_average_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)]}
     (out / "bench.json").write_text(json.dumps({"meta": meta, "results": report, "zero_memory": zero}, indent=1))
     plot(report, out / "bench.png")
     print(f"\n{meta}\nwrote {out / 'bench.json'} and {out / 'bench.png'}")

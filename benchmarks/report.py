@@ -5,8 +5,10 @@
 
 Each file gives one table per model size; a file that holds layer-3 rows gets the columns that
 compare them with torch's FSDP2, one that holds the Muon rows the Muon table (against DDP + Muon
-and FSDP2 + Muon, the optimizer step beside the whole step), and its ``zero_memory`` section
-becomes the bytes-per-parameter table.
+and FSDP2 + Muon, the optimizer step beside the whole step), one that holds the gradient
+accumulation rows the invariant mode's table (each ``*_invariant`` row against its stage's
+default accumulation: step, bytes sent and peak, where the step's time went, and whether the
+parameters are the same bits), and its ``zero_memory`` section becomes the bytes-per-parameter table.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import json
 import sys
 from pathlib import Path
 
+from accumulation import ACCUMULATION_HEAD, accumulation_cells, accumulation_rows
 from bench import IMPLS, MUON, SAME_STRATEGY, STAGES, peak_of, ratios_to_ideal, sent_per_model, zero_formula
 
 LAYER_3 = {"fsdp2", "fsdp2_no_reshard", "fsdp1", "zero3", "zero3_grad_op", "ds_zero3", "fsdp2_compile", "zero3_compile"}
@@ -93,10 +96,15 @@ def markdown(head: list[str], body: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in body])
 
 
-def size_tables(report: dict, world: int) -> str:
+def size_tables(report: dict, world: int, micro_batches: int | None = None) -> str:
     parts = []
     for size, rows in report.items():
         params = next(iter(rows.values()))["params"] / 1e6
+        if accumulation_rows(rows):
+            body = [accumulation_cells(i, rows, IMPLS[i]) for i in accumulation_rows(rows)]
+            parts.append(f"### {size} ({params:.1f}M parameters), world {world}, {micro_batches} micro-batches per step\n\n"
+                         + markdown(ACCUMULATION_HEAD, body))
+            continue
         if "ddp_muon" in rows:
             body = [muon_row(i, r, rows, world) for i, r in rows.items() if i in MUON]
             parts.append(f"### {size} ({params:.1f}M parameters), Muon\n\n" + markdown(MUON_HEAD, body))
@@ -128,7 +136,7 @@ def main() -> None:
     for path in sys.argv[1:]:
         run = json.loads(Path(path).read_text())
         print(f"<!-- {run['meta']} -->\n")
-        print(size_tables(run["results"], run["meta"]["world"]))
+        print(size_tables(run["results"], run["meta"]["world"], run["meta"].get("micro_batches")))
         if run.get("zero_memory"):
             print(f"\n### Bytes per parameter per rank ({run['zero_memory']['params'] / 1e6:.1f}M parameters, fp32 Adam)\n")
             print(zero_table(run["zero_memory"]))
