@@ -22,7 +22,7 @@ import torch.distributed as dist
 from .._common import comm
 from ._tree import tree_sum
 
-__all__ = ["PendingExchange", "start_exchange", "exchange_and_sum", "all_reduce_canonically", "sum_across_replicas"]
+__all__ = ["PendingExchange", "start_exchange", "start_exchange_of", "exchange_and_sum", "all_reduce_canonically", "sum_across_replicas"]
 
 
 class PendingExchange:
@@ -51,12 +51,18 @@ def start_exchange(pieces: Sequence[torch.Tensor], receive_numel: int, group: di
     """Collective, asynchronous: send ``pieces[d]`` (1-D) to rank ``d`` of ``group``; every rank
     sends this rank ``receive_numel`` elements, which :meth:`PendingExchange.sum` adds up the tree
     in source rank order."""
+    sent = torch.cat([p.reshape(-1) for p in pieces]) if len(pieces) > 1 else pieces[0].reshape(-1)
+    return start_exchange_of(sent, [p.numel() for p in pieces], receive_numel, group)
+
+
+def start_exchange_of(sent: torch.Tensor, splits: Sequence[int], receive_numel: int, group: dist.ProcessGroup) -> PendingExchange:
+    """:func:`start_exchange` of pieces already back to back in ``sent`` (``splits[d]`` elements
+    for rank ``d``): nothing is copied to send them. ``sent`` is the exchange's until it is summed."""
     world = comm.group_size(group)
     if world == 1:
-        return PendingExchange(None, pieces[0].reshape(-1).clone(), 1, None)
-    sent = torch.cat([p.reshape(-1) for p in pieces])
+        return PendingExchange(None, sent.reshape(-1), 1, None)
     received = torch.empty(world * receive_numel, dtype=sent.dtype, device=sent.device)
-    work = comm.all_to_all_single(received, sent, group, [receive_numel] * world, [p.numel() for p in pieces], async_op=True)
+    work = comm.all_to_all_single(received, sent, group, [receive_numel] * world, list(splits), async_op=True)
     return PendingExchange(work, received, world, sent)
 
 
@@ -72,9 +78,8 @@ def all_reduce_canonically(flat: torch.Tensor, group: dist.ProcessGroup) -> torc
     if world == 1:
         return flat.clone()
     chunk = -(-flat.numel() // world)
-    padded = torch.zeros(world * chunk, dtype=flat.dtype, device=flat.device)
-    padded[: flat.numel()] = flat
-    mine = exchange_and_sum(list(padded.view(world, chunk)), chunk, group)
+    padded = flat if flat.numel() == world * chunk else torch.cat([flat, flat.new_zeros(world * chunk - flat.numel())])
+    mine = start_exchange_of(padded, [chunk] * world, chunk, group).sum()
     gathered = torch.empty_like(padded)
     work = comm.all_gather_into_tensor(gathered, mine, group, async_op=False)
     if work is not None:

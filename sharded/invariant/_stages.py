@@ -33,9 +33,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .._common import comm
 from .._common.errors import on_rank
-from .._common.flat import used_anywhere
+from .._common.flat import used_anywhere, used_flags
 from ..sharded_ddp import ShardedDataParallel
-from ._exchange import PendingExchange, all_reduce_canonically, exchange_and_sum, start_exchange, sum_across_replicas
+from ._exchange import PendingExchange, all_reduce_canonically, exchange_and_sum, start_exchange, start_exchange_of, sum_across_replicas
 from ._norm import RowsHeld, row_count
 from ._tree import TreeAccumulator
 
@@ -133,13 +133,17 @@ class _FlatLeaves:
 
     def take(self) -> None:
         sizes = [p.numel() for p in self.params]
-        leaf = torch.zeros(sum(sizes) + len(self.params), dtype=torch.float32, device=_device_of(self.params))
+        leaf = torch.empty(sum(sizes) + len(self.params), dtype=torch.float32, device=_device_of(self.params))
         pieces = leaf.split(sizes + [len(self.params)])
-        for i, (p, piece) in enumerate(zip(self.params, pieces)):
-            if p.grad is not None:
+        had = []
+        for p, piece in zip(self.params, pieces):
+            had.append(p.grad is not None)
+            if p.grad is None:
+                piece.zero_()
+            else:
                 piece.copy_(p.grad.reshape(-1))
-                pieces[-1][i] = 1.0
                 p.grad = None
+        pieces[-1].copy_(used_flags(had, torch.float32, leaf.device))
         self.tree.add(leaf)
 
     def total(self) -> torch.Tensor:
@@ -413,16 +417,18 @@ class _UnitSum:
         cut = [(sp, g) for sp, g in zip(params, grads) if sp.owner is None]
         owned = [(sp, g) for sp, g in zip(params, grads) if sp.owner is not None]
         device = info.device
-        rows: list[torch.Tensor] = [torch.zeros(0, device=device)] * world
-        layout = None
-        if cut:
+        sent, layout, row = torch.zeros(0, device=device), None, 0
+        if cut:  # rank-major, as for the reduce-scatter: row d is what rank d keeps
             sent, layout = pack_gradients([sp for sp, _ in cut], [g for _, g in cut], world,
                                           lambda n: torch.empty(n, dtype=torch.float32, device=device))
-            rows = list(sent.view(world, -1))
+            row = sent.numel() // world
         owned_by = [[(sp, g) for sp, g in owned if sp.owner == rank] for rank in range(world)]
-        pieces = [torch.cat([row, _owned_piece(mine, device)]) for row, mine in zip(rows, owned_by)]
-        pending = start_exchange(pieces, pieces[me].numel(), self.group)
-        return pending, (layout, [sp for sp, _ in owned_by[me]], rows[me].numel())
+        if owned:  # each destination's row, then its owned parameters' gradients
+            pieces = [torch.cat([sent[d * row : (d + 1) * row], _owned_piece(owned_by[d], device)]) for d in range(world)]
+            pending = start_exchange(pieces, pieces[me].numel(), self.group)
+        else:
+            pending = start_exchange_of(sent, [row] * world, row, self.group)
+        return pending, (layout, [sp for sp, _ in owned_by[me]], row)
 
     def end_micro_batch(self) -> None:
         """Commit this micro-batch's exchanged sum as the next leaf of the tree over time (an
