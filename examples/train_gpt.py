@@ -50,7 +50,7 @@ import signal
 import sysconfig
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -188,7 +188,7 @@ def train_stage(stage: str, args, device, train: torch.Tensor, val: torch.Tensor
     }
 
 
-def accumulated_backward(step: int, wrapped: nn.Module, scaler, train: torch.Tensor, args, device) -> list[torch.Tensor]:
+def accumulated_backward(step: int, wrapped: Any, scaler, train: torch.Tensor, args, device) -> list[torch.Tensor]:
     """Forward and backward of this rank's ``--accumulate`` micro-batches, drawn from (step, rank),
     under ``no_sync`` but the last; returns the last one's loss."""
     g = torch.Generator().manual_seed(step * dist.get_world_size() + dist.get_rank())  # nothing else
