@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .._common import comm
+from .._common.dtensors import local_tensor_of
 from .._common.errors import on_rank
 from .._common.norm import scale_by_norm_
 from .._common.step_checks import install_step_check
@@ -103,7 +104,7 @@ class MicroBatches:
         held, total_rows, group = self._stage.rows_held()
         device = next((g.device for _, g in held), _first_device(self._stage.params()))
         total = invariant_grad_norm(held, total_rows, group, norm_type, device)
-        scale_by_norm_([_local(g) for g in (p.grad for p in self._stage.params()) if g is not None], total, max_norm, norm_type, error_if_nonfinite)
+        scale_by_norm_([local_tensor_of(g) for g in (p.grad for p in self._stage.params()) if g is not None], total, max_norm, norm_type, error_if_nonfinite)
         return total
 
     def mean(self, values: Sequence[Any]) -> torch.Tensor:
@@ -150,12 +151,10 @@ def _check_counts(micro_batches: int, world: int) -> None:
         ))
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t  # type: ignore[no-any-return]
 
 
 def _first_device(params: list[torch.Tensor]) -> torch.device:
-    return _local(params[0]).device if params else torch.device("cpu")
+    return local_tensor_of(params[0]).device if params else torch.device("cpu")
 
 
 def _refuse_steps_that_break_invariance(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
