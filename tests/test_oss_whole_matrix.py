@@ -309,7 +309,7 @@ def _check_param_cost_is_used_and_checked(rank: int) -> None:
     assert by_rows.balance == by_rows.partition.balance()
     for bad, error in ((-1.0, ValueError), (float("nan"), ValueError), ("big", TypeError)):
         cost = lambda p, bad=bad: bad if p.shape == (32, 32) else 1.0  # noqa: E731
-        match = rf"rank {rank}: param_cost returned .* for param group 0, parameter 1 \(shape \(32, 32\)\)"
+        match = rf"rank {rank}: param_cost.s result for param group 0, parameter 1 \(shape \(32, 32\)\) is .*; a cost must be"
         with pytest.raises(error, match=match):
             OSS(_matrices(model), torch.optim.Muon, lr=MUON_LR, param_cost=cost)
     dist.barrier()
@@ -426,5 +426,5 @@ def test_a_new_group_is_placed_by_its_costs_on_the_current_loads():
 def test_a_bad_param_cost_names_the_parameter_and_the_rank(bad, error):
     groups = [_tensors([(4, 4)]), _tensors([(2,), (3, 3)])]
     cost = lambda p: bad if p.dim() == 2 and p.shape[0] == 3 else 1.0  # noqa: E731
-    with pytest.raises(error, match=r"^rank 0: param_cost returned .* for param group 1, parameter 1 \(shape \(3, 3\)\)"):
+    with pytest.raises(error, match=r"^rank 0: param_cost.s result for param group 1, parameter 1 \(shape \(3, 3\)\) is .*; a cost must be"):
         param_costs(groups, cost, group_rank=0)

@@ -1,19 +1,23 @@
-"""What an optimizer step costs per parameter, for placing whole parameters on owner ranks.
+"""What an optimizer step costs per parameter, and the one way whole parameters are placed on
+owner ranks by it.
 
 An element-wise optimizer (SGD, Adam) costs about as much per element as it holds, so balancing
 bytes balances its step. A whole-matrix optimizer does not: Muon's Newton–Schulz iteration on an
 ``m x n`` matrix is a handful of matrix products of ``min(m, n)``-sized Gram matrices, about
 ``m * n * min(m, n)`` multiply-adds, so one 4096 x 4096 matrix costs as much as 64 of size
 1024 x 1024 though it holds only 16 times the bytes. Layers 1-2 (``OSS``'s partition) and layer
-3 (the owner placement, ``sharded.fsdp.Owned``) balance by these costs.
+3 (the owner placement, ``sharded.fsdp.Owned``) balance by these costs, both with
+:func:`place_greedily`: sorted greedy ("longest processing time first"), costliest first onto the
+least-loaded rank, which keeps the busiest rank within one parameter of the mean.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Sequence
 
-__all__ = ["newton_schulz_cost"]
+__all__ = ["newton_schulz_cost", "checked_cost", "place_greedily"]
 
 
 def newton_schulz_cost(shape: Sequence[int]) -> int:
@@ -30,3 +34,24 @@ def newton_schulz_cost(shape: Sequence[int]) -> int:
         return math.prod(dims)
     *leading, m, n = dims
     return math.prod(leading) * m * n * min(m, n)
+
+
+def checked_cost(value: object, what: str) -> float:
+    """``value`` as a float, if it is a finite number >= 0; otherwise an error that says ``what``
+    gave it (which function, for which parameter) and what a cost must be."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what} is {value!r}; a cost must be a number (an int or float)")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{what} is {value!r}; a cost must be a finite number >= 0")
+    return float(value)
+
+
+def place_greedily(costs: Sequence[float], loads: list[float]) -> list[int]:
+    """The rank each of ``costs`` goes to, costliest first (ties: the earlier), each onto the
+    least-loaded rank of ``loads`` (ties: the lower rank), which this adds it to."""
+    ranks = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        rank = min(range(len(loads)), key=loads.__getitem__)
+        ranks[i] = rank
+        loads[rank] += costs[i]
+    return ranks

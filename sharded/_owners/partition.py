@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from .._common.step_cost import place_greedily
 from .step_cost import bytes_cost
 
 __all__ = ["Balance", "Partition"]
@@ -91,16 +92,14 @@ class Partition:
         )
 
     def _place(self, new_params: Sequence[torch.Tensor], costs: Sequence[float]) -> tuple[int, ...]:
-        """Owners for ``new_params``, placed greedily by ``costs`` on top of the current loads."""
+        """Owners for ``new_params``, placed greedily by ``costs`` on top of the current loads
+        (trainable and frozen parameters apart)."""
         owners = [0] * len(new_params)
         for requires_grad in (True, False):
-            loads = self._loads(self.costs, trainable=requires_grad)
             candidates = [i for i, p in enumerate(new_params) if p.requires_grad == requires_grad]
-            candidates.sort(key=lambda i: (-costs[i], i))
-            for i in candidates:
-                rank = min(range(self.world_size), key=loads.__getitem__)
+            placed = place_greedily([costs[i] for i in candidates], self._loads(self.costs, trainable=requires_grad))
+            for i, rank in zip(candidates, placed):
                 owners[i] = rank
-                loads[rank] += costs[i]
         return tuple(owners)
 
     def _loads(self, weights: Sequence[float], trainable: bool) -> list[float]:
@@ -151,11 +150,7 @@ class Partition:
 
     def trainable_bytes_per_rank(self) -> list[int]:
         """Bytes of trainable parameters each rank owns: what its optimizer state scales with."""
-        loads = [0] * self.world_size
-        for p, owner, is_trainable in zip(self.params, self.owners, self.trainable):
-            if is_trainable:
-                loads[owner] += bytes_cost(p)
-        return loads
+        return [int(load) for load in self._loads([bytes_cost(p) for p in self.params], trainable=True)]
 
     def trainable_cost_per_rank(self) -> list[float]:
         """The summed costs of the trainable parameters each rank owns: what its step time scales with."""

@@ -13,15 +13,13 @@ computes the same ones and the partitions agree without communication.
 
 from __future__ import annotations
 
-import math
-import numbers
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch.optim import Optimizer
 
 from .._common.errors import on_rank
-from .._common.step_cost import newton_schulz_cost
+from .._common.step_cost import checked_cost, newton_schulz_cost
 
 __all__ = ["ParamCost", "bytes_cost", "default_param_cost", "param_costs"]
 
@@ -33,15 +31,10 @@ def bytes_cost(param: torch.Tensor) -> int:
     return param.numel() * param.element_size()
 
 
-def _muon() -> Optional[type[Optimizer]]:
-    return getattr(torch.optim, "Muon", None)
-
-
 def default_param_cost(optim: type[Optimizer]) -> ParamCost:
     """The cost ``OSS`` balances when the user gives none: Newton-Schulz cost for (a subclass
     of) ``torch.optim.Muon``, bytes for every other optimizer."""
-    muon = _muon()
-    if muon is not None and issubclass(optim, muon):
+    if issubclass(optim, torch.optim.Muon):
         return lambda param: newton_schulz_cost(param.shape)
     return bytes_cost
 
@@ -61,12 +54,7 @@ def param_costs(
 
 def _checked(value: object, where: str, group_rank: int) -> float:
     """``value`` as a float, or an error naming the parameter it was computed for."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(
-            on_rank(f"param_cost returned {value!r} for {where}; it must return a number (an int or float)", group_rank)
-        )
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(
-            on_rank(f"param_cost returned {value!r} for {where}; it must return a finite number >= 0", group_rank)
-        )
-    return float(value)
+    try:
+        return checked_cost(value, f"param_cost's result for {where}")
+    except (TypeError, ValueError) as bad:
+        raise type(bad)(on_rank(str(bad), group_rank)) from None

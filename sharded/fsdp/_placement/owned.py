@@ -24,7 +24,6 @@ same order and so reaches the same owners without communication (the root checks
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -34,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..._common.dtensors import register_whole_on
 from ..._common.errors import on_rank
-from ..._common.step_cost import newton_schulz_cost
+from ..._common.step_cost import checked_cost, newton_schulz_cost, place_greedily
 from .mesh import MeshInfo
 
 __all__ = ["Owned", "OwnerRequest", "choose_owners", "owner_meshes", "prepare_dtensor_rng"]
@@ -64,8 +63,9 @@ class OwnerRequest:
     placement: Owned
 
     @property
-    def cost(self) -> float:
-        return float(self.placement.cost if self.placement.cost is not None else newton_schulz_cost(self.shape))
+    def cost(self) -> object:
+        """What it asks to be weighed by (checked by :func:`choose_owners`)."""
+        return self.placement.cost if self.placement.cost is not None else newton_schulz_cost(self.shape)
 
 
 # The step cost placed so far on each rank of a shard group, by the group's global ranks: the
@@ -80,18 +80,16 @@ def choose_owners(requests: Sequence[OwnerRequest], info: MeshInfo) -> list[int]
     """The owner (a shard-group rank) of each request: explicit ranks first, then the rest
     largest cost first onto the least-loaded rank (ties: the lowest rank)."""
     world = info.shard_world
-    for r in requests:
-        _check_request(r, world)
+    costs = [_checked_request(r, world) for r in requests]
     loads = _loads.setdefault(_group_key(info), [0.0] * world)
-    owners: list[Optional[int]] = [r.placement.rank for r in requests]
-    for r, owner in zip(requests, owners):
+    owners = [r.placement.rank for r in requests]
+    for cost, owner in zip(costs, owners):
         if owner is not None:
-            loads[owner] += r.cost
-    for i in sorted((i for i, o in enumerate(owners) if o is None), key=lambda i: (-requests[i].cost, i)):
-        owner = min(range(world), key=lambda rank: (loads[rank], rank))
-        owners[i] = owner
-        loads[owner] += requests[i].cost
-    return [int(o) for o in owners if o is not None]
+            loads[owner] += cost
+    balanced = [i for i, owner in enumerate(owners) if owner is None]
+    for i, rank in zip(balanced, place_greedily([costs[i] for i in balanced], loads)):
+        owners[i] = rank
+    return [int(owner) for owner in owners if owner is not None]
 
 
 def owner_meshes(info: MeshInfo) -> tuple[DeviceMesh, ...]:
@@ -128,16 +126,14 @@ def _group_key(info: MeshInfo) -> tuple[int, ...]:
     return tuple(int(r) for r in info.mesh.mesh.flatten().tolist())
 
 
-def _check_request(request: OwnerRequest, world: int) -> None:
+def _checked_request(request: OwnerRequest, world: int) -> float:
+    """The request's cost, once its owner (if given) is a rank of the shard group and its cost
+    (if given) a finite number >= 0."""
     placement = request.placement
+    what = f"fully_shard(shard_placement_fn=...) returned {placement!r} for parameter {request.fqn}"
     if placement.rank is not None and not (isinstance(placement.rank, int) and 0 <= placement.rank < world):
-        raise ValueError(on_rank(
-            f"fully_shard(shard_placement_fn=...) returned {placement!r} for parameter {request.fqn}: the owner "
-            f"must be a rank of the shard group, 0..{world - 1}"
-        ))
-    cost = placement.cost
-    if cost is not None and not (isinstance(cost, (int, float)) and math.isfinite(cost) and cost >= 0):
-        raise ValueError(on_rank(
-            f"fully_shard(shard_placement_fn=...) returned {placement!r} for parameter {request.fqn}: cost must "
-            "be a finite number >= 0"
-        ))
+        raise ValueError(on_rank(f"{what}: the owner must be a rank of the shard group, 0..{world - 1}"))
+    try:
+        return checked_cost(request.cost, f"{what}: its cost")
+    except (TypeError, ValueError) as bad:
+        raise type(bad)(on_rank(str(bad))) from None
