@@ -60,6 +60,7 @@ class OwnedGather:
         self.by_owner = sorted(self.params, key=lambda sp: _owner(sp))  # the unsharded buffer's order
         self.mine = [sp for sp in self.by_owner if sp.owner == shard_rank]
         self._starts = offsets_of([sp.geometry.numel for sp in self.by_owner])
+        self._regions = _regions_by_owner(self.by_owner, self._starts)
         self.owned_flat = torch.empty(0)  # this rank's owned values, back to back
         self._unsharded_flat: Optional[torch.Tensor] = None
         self._unsharded_key: tuple = ()
@@ -121,21 +122,20 @@ class OwnedGather:
         self._prepare_unsharded()
 
     def start(self, route: GatherRoute) -> None:
-        """Broadcast each owner's region of the unsharded buffer from it, in owner order."""
-        _refuse(route.custom is not None, "set_custom_all_gather")
+        """Broadcast each owner's region of the unsharded buffer from it, in owner order (a
+        custom all-gather never applies: ``set_custom_all_gather`` refuses a unit with owned
+        parameters)."""
         if self.aliases_values:
             return
         self._allocate_unsharded()
         flat = self._unsharded_buffer()
-        mine = self._region(flat, self.shard_rank)
-        if mine is not None:
-            mine.copy_(self.owned_flat.to(mine.device, non_blocking=True))
+        if self.shard_rank in self._regions:
+            begin, end = self._regions[self.shard_rank]
+            flat[begin:end].copy_(self.owned_flat.to(flat.device, non_blocking=True))
         if route.world == 1:
             return
-        for owner in self._owners():
-            region = self._region(flat, owner)
-            if region is not None:
-                self._pending.append(_started(comm.broadcast(region, owner, route.group, async_op=True)))
+        for owner, (begin, end) in self._regions.items():
+            self._pending.append(_started(comm.broadcast(flat[begin:end], owner, route.group, async_op=True)))
 
     def finish(self, keep_secondary: Optional[SecondaryShardGroup]) -> None:
         """Wait for the broadcasts (owned parameters keep no secondary shard: they are gathered
@@ -155,13 +155,11 @@ class OwnedGather:
         """Collective: fresh full copies in the values' dtype, broadcast from their owners."""
         self._ensure_values_current(where)
         flat = torch.empty(sum(sp.geometry.numel for sp in self.by_owner), dtype=self.dtype, device=self.compute_device)
-        mine = self._region(flat, self.shard_rank)
-        if mine is not None:
-            mine.copy_(self.owned_flat)
-        for owner in self._owners() if route.world > 1 else []:
-            region = self._region(flat, owner)
-            if region is not None:
-                comm.broadcast(region, owner, route.group, async_op=False)
+        if self.shard_rank in self._regions:
+            begin, end = self._regions[self.shard_rank]
+            flat[begin:end].copy_(self.owned_flat)
+        for owner, (begin, end) in self._regions.items() if route.world > 1 else ():
+            comm.broadcast(flat[begin:end], owner, route.group, async_op=False)
         copies = {id(sp): flat[s : s + sp.geometry.numel].view(sp.geometry.shape) for sp, s in zip(self.by_owner, self._starts)}
         return [copies[id(sp)] for sp in self.params]
 
@@ -211,17 +209,6 @@ class OwnedGather:
         if self.aliases_values or self._unsharded_flat is None:
             return 0
         return self._unsharded_flat.untyped_storage().nbytes()
-
-    def _owners(self) -> list[int]:
-        return sorted({_owner(sp) for sp in self.params})
-
-    def _region(self, flat: torch.Tensor, owner: int) -> Optional[torch.Tensor]:
-        """``owner``'s parameters' part of a buffer in :attr:`by_owner` order (``None``: it owns
-        none of them, or they hold no elements)."""
-        spans = [(s, sp.geometry.numel) for sp, s in zip(self.by_owner, self._starts) if sp.owner == owner]
-        if not spans or not sum(n for _, n in spans):
-            return None
-        return flat[spans[0][0] : spans[-1][0] + spans[-1][1]]
 
 
 @dataclass
@@ -353,6 +340,16 @@ def _send(
     return _OwnerSend(owner, params, sent, had_grad, work)
 
 
+def _regions_by_owner(by_owner: list[ShardedParam], starts: list[int]) -> dict[int, tuple[int, int]]:
+    """Each owner's ``(begin, end)`` in a buffer of ``by_owner``'s parameters back to back, in
+    owner order; owners whose parameters hold no elements have none (nothing to broadcast)."""
+    regions: dict[int, tuple[int, int]] = {}
+    for sp, start in zip(by_owner, starts):
+        begin, _ = regions.get(_owner(sp), (start, start))
+        regions[_owner(sp)] = (begin, start + sp.geometry.numel)
+    return {owner: span for owner, span in regions.items() if span[1] > span[0]}
+
+
 def _owner(sp: ShardedParam) -> int:
     if sp.owner is None:
         raise RuntimeError(f"parameter {sp.fqn} is not owner-placed")
@@ -363,11 +360,3 @@ def _started(work: Optional[dist.Work]) -> dist.Work:
     if work is None:
         raise RuntimeError(on_rank("broadcast: this rank is not in the process group it broadcasts over"))
     return work
-
-
-def _refuse(asked: bool, what: str) -> None:
-    if asked:
-        raise NotImplementedError(on_rank(
-            f"{what}: this unit has owner-placed parameters (sharded.fsdp.Owned), which are broadcast from their "
-            "owners and reduced onto them; the custom collective applies to element-sharded parameters only"
-        ))

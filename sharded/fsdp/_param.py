@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
+from .._common.dtensors import held_here
 from ._placement.dtensor import DTensorLayout
 
 __all__ = ["ShardGeometry", "ShardedParam"]
@@ -157,7 +158,7 @@ class ShardedParam:
     def held_here(self) -> bool:
         """Whether this rank holds (its rows of) the value: false only for an owner-placed
         parameter on a rank other than its owner."""
-        return self.owner is None or cast(DTensor, self.sharded).device_mesh.get_coordinate() is not None
+        return held_here(self.sharded)
 
     def real_rows(self, slot: torch.Tensor) -> torch.Tensor:
         """The real (unpadded) rows of this rank's padded ``slot`` (a 1-D piece of a flat buffer),

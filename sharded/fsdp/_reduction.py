@@ -20,7 +20,6 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from .._common import comm
-from .._common.errors import on_rank
 from ._collectives import PendingReduceScatter, ProfilerLabels, new_buffer, start_reduce_scatter
 from ._flat_buffers import GradientLayout, pack_gradients
 from ._owned import OwnedReduction, start_owned_reduction
@@ -174,8 +173,6 @@ class GradientReducer:
         settings = self._reduce_settings(dtype)
         cut = [(sp, g) for sp, g in zip(params, grads) if sp.owner is None]
         owned = [(sp, g) for sp, g in zip(params, grads) if sp.owner is not None]
-        if owned:
-            _check_owned_can_reduce(owned[0][0], settings)  # before any collective starts
         self._streams.reduce_scatter_after_compute([g for g in grads if g is not None])
         grads.clear()
         parts: list[Any] = []
@@ -237,21 +234,6 @@ class GradientReducer:
 
     def _keep_partial(self, scattered: torch.Tensor) -> None:
         self._partial = scattered
-
-
-def _check_owned_can_reduce(sp: ShardedParam, settings: ReduceSettings) -> None:
-    """The unit's module methods refuse these settings for a unit with owner-placed parameters;
-    this catches them set on the settings directly."""
-    refused = [what for what, asked in (
-        ("set_custom_reduce_scatter", settings.comm is not None),
-        ("set_all_reduce_hook", settings.hook is not None),
-        ("set_requires_all_reduce(False)", settings.replicate_group is not None and not settings.all_reduce_now),
-    ) if asked]
-    if refused:
-        raise NotImplementedError(on_rank(
-            f"{refused[0]}: this unit has owner-placed parameters (sharded.fsdp.Owned, e.g. {sp.fqn}), whose "
-            "gradients are reduced onto their owners; it applies to element-sharded parameters only"
-        ))
 
 
 class UnitReduction:

@@ -116,7 +116,7 @@ def _rows_this_rank_answers_for(sp: Any, offset: int) -> Optional[int]:
 def _check_unit(unit: Any, info: Any) -> None:
     """What the canonical exchange replaces must not also be asked for another way."""
     settings, where = unit.settings, f"MicroBatches: fully_shard({unit.module_name})"
-    if unit.mesh_info.mesh is not info.mesh and unit.mesh_info.mesh != info.mesh:
+    if unit.mesh_info.mesh != info.mesh:
         raise NotImplementedError(on_rank(f"{where} shards over another mesh than the model's first unit"))
     reduce_dtype = settings.mp_policy.reduce_dtype
     refused = [what for what, asked in (
