@@ -349,14 +349,6 @@ def check_invariant_arguments(parser: argparse.ArgumentParser, args) -> None:
         parser.error("--invariant accumulates the --micro-batches itself; drop --accumulate")
 
 
-def check_invariant_world(args) -> None:
-    """With ``--invariant``, the ranks must share the micro-batches evenly (a power of two, since M is)."""
-    world = dist.get_world_size()
-    if args.invariant and args.micro_batches % world:
-        raise SystemExit(f"--invariant: {world} ranks cannot share {args.micro_batches} micro-batches evenly; "
-                         f"run at a number of ranks dividing {args.micro_batches}")
-
-
 def cpu_threads(args) -> int:
     """Intra-op threads per rank: ``--threads``; by default 1 with ``--invariant`` (a matrix product's
     bits depend on its threads, so they must not change with the world size), else the cores shared out."""
@@ -407,7 +399,6 @@ def main() -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     init_process_group("nccl" if use_cuda else "gloo", datetime.timedelta(seconds=args.timeout))
-    check_invariant_world(args)
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         device = torch.device("cuda")

@@ -5,7 +5,7 @@ or at one time step the ranks' leaves side by side). Rank ``i`` of a group of ``
 two) holds block ``i``. A reduction that adds these in the canonical tree must not let the
 collective choose the order, so the ranks *exchange* rather than reduce: one
 ``all_to_all_single`` gives every rank, for the part of the result it is to keep, the ``W``
-blocks' values in rank order, and the rank adds them up the tree itself (:func:`exchange_and_sum`).
+blocks' values in rank order, and the rank adds them up the tree itself (:func:`start_exchange`).
 That moves the bytes of a reduce-scatter ((W-1)/W of the data per rank). An all-reduce is that
 plus an all-gather of the sums (:func:`all_reduce_canonically`); a sum across replica rows
 (hybrid sharding) gathers the rows' sums and adds them up the tree on every rank
@@ -22,7 +22,7 @@ import torch.distributed as dist
 from .._common import comm
 from ._tree import tree_sum
 
-__all__ = ["PendingExchange", "start_exchange", "start_exchange_of", "exchange_and_sum", "all_reduce_canonically", "sum_across_replicas"]
+__all__ = ["PendingExchange", "start_exchange", "all_reduce_canonically", "sum_across_replicas"]
 
 
 class PendingExchange:
@@ -44,20 +44,14 @@ class PendingExchange:
         self.wait()
         if self._world == 1:
             return self._received
-        return tree_sum(list(self._received.view(self._world, -1)))
+        return tree_sum(self._received.view(self._world, -1))
 
 
-def start_exchange(pieces: Sequence[torch.Tensor], receive_numel: int, group: dist.ProcessGroup) -> PendingExchange:
-    """Collective, asynchronous: send ``pieces[d]`` (1-D) to rank ``d`` of ``group``; every rank
-    sends this rank ``receive_numel`` elements, which :meth:`PendingExchange.sum` adds up the tree
-    in source rank order."""
-    sent = torch.cat([p.reshape(-1) for p in pieces]) if len(pieces) > 1 else pieces[0].reshape(-1)
-    return start_exchange_of(sent, [p.numel() for p in pieces], receive_numel, group)
-
-
-def start_exchange_of(sent: torch.Tensor, splits: Sequence[int], receive_numel: int, group: dist.ProcessGroup) -> PendingExchange:
-    """:func:`start_exchange` of pieces already back to back in ``sent`` (``splits[d]`` elements
-    for rank ``d``): nothing is copied to send them. ``sent`` is the exchange's until it is summed."""
+def start_exchange(sent: torch.Tensor, splits: Sequence[int], receive_numel: int, group: comm.ProcessGroup) -> PendingExchange:
+    """Collective, asynchronous: send rank ``d`` of ``group`` its piece of ``sent`` (pieces back to
+    back, ``splits[d]`` elements for rank ``d``: nothing is copied to send them); every rank sends
+    this rank ``receive_numel`` elements, which :meth:`PendingExchange.sum` adds up the tree in
+    source rank order. ``sent`` is the exchange's until it is summed."""
     world = comm.group_size(group)
     if world == 1:
         return PendingExchange(None, sent.reshape(-1), 1, None)
@@ -66,12 +60,7 @@ def start_exchange_of(sent: torch.Tensor, splits: Sequence[int], receive_numel: 
     return PendingExchange(work, received, world, sent)
 
 
-def exchange_and_sum(pieces: Sequence[torch.Tensor], receive_numel: int, group: dist.ProcessGroup) -> torch.Tensor:
-    """Collective: :func:`start_exchange`, waited for and summed."""
-    return start_exchange(pieces, receive_numel, group).sum()
-
-
-def all_reduce_canonically(flat: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def all_reduce_canonically(flat: torch.Tensor, group: comm.ProcessGroup) -> torch.Tensor:
     """Collective: the canonical sum over ``group`` of every rank's 1-D ``flat`` (rank ``i``
     holding block ``i``), on every rank: a new tensor of ``flat``'s length."""
     world = comm.group_size(group)
@@ -79,7 +68,7 @@ def all_reduce_canonically(flat: torch.Tensor, group: dist.ProcessGroup) -> torc
         return flat.clone()
     chunk = -(-flat.numel() // world)
     padded = flat if flat.numel() == world * chunk else torch.cat([flat, flat.new_zeros(world * chunk - flat.numel())])
-    mine = start_exchange_of(padded, [chunk] * world, chunk, group).sum()
+    mine = start_exchange(padded, [chunk] * world, chunk, group).sum()
     gathered = torch.empty_like(padded)
     work = comm.all_gather_into_tensor(gathered, mine, group, async_op=False)
     if work is not None:
@@ -87,7 +76,7 @@ def all_reduce_canonically(flat: torch.Tensor, group: dist.ProcessGroup) -> torc
     return gathered[: flat.numel()]
 
 
-def sum_across_replicas(part: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def sum_across_replicas(part: torch.Tensor, group: comm.ProcessGroup) -> torch.Tensor:
     """Collective over the replica group (hybrid sharding): every row's ``part``, added up the
     tree in row order, on every row (bytes: an all-gather of ``part``)."""
     rows = comm.group_size(group)
@@ -97,4 +86,4 @@ def sum_across_replicas(part: torch.Tensor, group: dist.ProcessGroup) -> torch.T
     work = comm.all_gather_into_tensor(gathered, part.reshape(-1), group, async_op=False)
     if work is not None:
         work.wait()
-    return tree_sum(list(gathered.view(rows, part.numel())))
+    return tree_sum(gathered.view(rows, part.numel()))

@@ -24,7 +24,7 @@ from .._common import comm
 from .._common.errors import on_rank
 from .._common.flat import used_anywhere, used_flags
 from ..sharded_ddp import ShardedDataParallel
-from ._exchange import all_reduce_canonically, exchange_and_sum
+from ._exchange import all_reduce_canonically, start_exchange
 from ._norm import RowsHeld, row_count
 from ._stage import Stage
 from ._tree import TreeAccumulator
@@ -34,26 +34,22 @@ __all__ = ["ReplicatedStage", "OwnersStage"]
 
 
 class _FlatLeaves:
-    """Each micro-batch's gradients of ``params`` moved into one flat fp32 leaf (then a "used"
-    flag per parameter), summed up the local tree."""
+    """Each micro-batch's gradients moved into one flat fp32 leaf, summed up the local tree. The
+    leaf is laid out group by group, one group per destination of the exchange (all parameters
+    for the all-reduce, each owner's for ``ShardedDataParallel``), so the exchange sends it as it
+    is: a group's gradients back to back (zeros where none), then a "used" flag per parameter."""
 
-    def __init__(self, params: list[torch.Tensor]) -> None:
-        self.params = params
+    def __init__(self, groups: list[list[torch.Tensor]]) -> None:
+        self.groups = groups
+        self.sizes = [sum(p.numel() for p in group) + len(group) for group in groups]
         self.tree = TreeAccumulator()
 
     def take(self) -> None:
-        sizes = [p.numel() for p in self.params]
-        leaf = torch.empty(sum(sizes) + len(self.params), dtype=torch.float32, device=_device_of(self.params))
-        pieces = leaf.split(sizes + [len(self.params)])
-        had = []
-        for p, piece in zip(self.params, pieces):
-            had.append(p.grad is not None)
-            if p.grad is None:
-                piece.zero_()
-            else:
-                piece.copy_(p.grad.reshape(-1))
-                p.grad = None
-        pieces[-1].copy_(used_flags(had, torch.float32, leaf.device))
+        """Move the gradients into the next leaf (``.grad`` is emptied: autograd never adds two
+        micro-batches)."""
+        leaf = torch.empty(sum(self.sizes), dtype=torch.float32, device=_device_of(self.groups))
+        for group, piece in zip(self.groups, leaf.split(self.sizes)):
+            _move_grads_into(group, piece)
         self.tree.add(leaf)
 
     def total(self) -> torch.Tensor:
@@ -63,18 +59,33 @@ class _FlatLeaves:
         return total
 
 
+def _move_grads_into(params: list[torch.Tensor], piece: torch.Tensor) -> None:
+    """``params``' gradients into ``piece`` (then their "used" flags), leaving ``.grad`` empty."""
+    pieces = piece.split([p.numel() for p in params] + [len(params)])
+    had = [p.grad is not None for p in params]
+    for p, values in zip(params, pieces):
+        if p.grad is None:
+            values.zero_()
+        else:
+            values.copy_(p.grad.reshape(-1))
+            p.grad = None
+    pieces[-1].copy_(used_flags(had, torch.float32, piece.device))
+
+
 def _land(params: list[torch.Tensor], flat: torch.Tensor, micro_batches: int) -> None:
-    """``flat`` (summed gradients back to back, then their flags) divided by ``micro_batches``
-    into the ``.grad`` of ``params`` that some rank had a gradient for."""
+    """``flat`` (summed gradients back to back, then their flags) divided by ``micro_batches``, in
+    place, into the ``.grad`` of ``params`` that some rank had a gradient for (views of ``flat``)."""
     n = len(params)
-    used = used_anywhere(flat[-n:]) if n else []
-    pieces = flat[:-n].split([p.numel() for p in params]) if n else []
-    for p, piece, is_used in zip(params, pieces, used):
-        p.grad = piece.div(micro_batches).view(p.shape).to(p.dtype) if is_used else None
+    if not n:
+        return
+    used = used_anywhere(flat[-n:])
+    flat.div_(micro_batches)  # the flags stay positive exactly where they were
+    for p, piece, is_used in zip(params, flat[:-n].split([p.numel() for p in params]), used):
+        p.grad = piece.view(p.shape).to(p.dtype) if is_used else None
 
 
-def _device_of(params: list[torch.Tensor]) -> torch.device:
-    return params[0].device if params else torch.device("cpu")
+def _device_of(groups: list[list[torch.Tensor]]) -> torch.device:
+    return next((p.device for group in groups for p in group), torch.device("cpu"))
 
 
 class ReplicatedStage(Stage):
@@ -86,14 +97,14 @@ class ReplicatedStage(Stage):
         self.group = group
         self.world = comm.group_size(group) if group is not None else 1
         self.block = comm.group_rank(group) if group is not None else 0
-        self._leaves = _FlatLeaves(self._params)
+        self._leaves = _FlatLeaves([self._params])
 
     def params(self) -> list[torch.Tensor]:
         return self._params
 
     def begin(self) -> None:
         super().begin()
-        self._leaves = _FlatLeaves(self._params)
+        self._leaves = _FlatLeaves([self._params])
 
     def micro_batch(self) -> ContextManager[None]:
         return self._ddp.no_sync() if self._ddp is not None else contextlib.nullcontext()
@@ -128,29 +139,26 @@ class OwnersStage(Stage):
     gradients, the others with none."""
 
     def __init__(self, sdp: ShardedDataParallel) -> None:
-        self._sdp = sdp
-        if sdp.process_group is None:
-            raise RuntimeError(on_rank("MicroBatches: torch.distributed is not initialised"))
-        self.group = sdp.process_group
-        self._owner_group: dist.ProcessGroup = sdp.process_group
-        self.world = sdp.world_size
-        self.block = sdp.rank
         if sdp.reduce_fp16:
             raise NotImplementedError(on_rank("MicroBatches: ShardedDataParallel(reduce_fp16=True); the canonical sum is taken in fp32"))
+        self._sdp = sdp
+        self.group = sdp.process_group
+        self.world = sdp.world_size
+        self.block = sdp.rank
         owner_of: dict[Any, int] = {}
         for optimizer in sdp.sharded_optimizers:
             owner_of.update(optimizer.param_to_rank)
         self._params: list[torch.Tensor] = [p for p in sdp.module.parameters() if p.requires_grad]
         self._owner: dict[torch.Tensor, int] = {p: owner_of.get(p, 0) for p in self._params}  # one no optimizer holds: rank 0's, as for clipping
         self._by_owner = [[p for p in self._params if self._owner[p] == rank] for rank in range(self.world)]
-        self._leaves = _FlatLeaves([p for owned in self._by_owner for p in owned])
+        self._leaves = _FlatLeaves(self._by_owner)
 
     def params(self) -> list[torch.Tensor]:
         return self._params
 
     def begin(self) -> None:
         super().begin()
-        self._leaves = _FlatLeaves(self._leaves.params)
+        self._leaves = _FlatLeaves(self._by_owner)
 
     def micro_batch(self) -> ContextManager[None]:
         return self._sdp.no_sync()
@@ -159,19 +167,13 @@ class OwnersStage(Stage):
         self._leaves.take()
 
     def finish(self, micro_batches: int) -> None:
-        total = self._leaves.total()
-        values, flags = total[: -len(self._params)], total[-len(self._params):] if self._params else total[:0]
-        value_pieces = values.split([sum(p.numel() for p in owned) for owned in self._by_owner])
-        flag_pieces = flags.split([len(owned) for owned in self._by_owner])
-        pieces = [torch.cat([v, f]) for v, f in zip(value_pieces, flag_pieces)]
-        mine = self._by_owner[self.block]
-        summed = exchange_and_sum(pieces, pieces[self.block].numel(), self._owner_group)
-        _land(mine, summed, micro_batches)
+        """One exchange of the leaves' total, laid out owner by owner, onto the owners."""
+        sizes = self._leaves.sizes
+        summed = start_exchange(self._leaves.total(), sizes, sizes[self.block], self.group).sum()
+        _land(self._by_owner[self.block], summed, micro_batches)
         for p in self._params:
             if self._owner[p] != self.block:
                 p.grad = None
 
     def rows_held(self) -> tuple[list[RowsHeld], int, Optional[dist.ProcessGroup]]:
         return _whole_rows(self._params, lambda p: self._owner[p] == self.block), _rows_of(self._params), self.group
-
-

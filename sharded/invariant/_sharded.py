@@ -19,8 +19,8 @@ from torch import nn
 
 from .._common import comm
 from .._common.errors import on_rank
-from .._common.flat import used_anywhere
-from ._exchange import PendingExchange, start_exchange, start_exchange_of, sum_across_replicas
+from .._common.flat import used_anywhere, used_flags
+from ._exchange import PendingExchange, start_exchange, sum_across_replicas
 from ._norm import RowsHeld, row_count
 from .._common.dtensors import local_tensor_of
 from ._stage import Stage
@@ -47,10 +47,10 @@ class ShardedStage(Stage):
         self.block = (comm.group_rank(self.replicas) if self.replicas is not None else 0) * info.shard_world + info.shard_rank
         self._sums = {unit: _UnitSum(unit, self.group, self.replicas) for unit in units}
 
-    def indices(self, micro_batches: int) -> list[int]:
+    def indices(self, micro_batches: int, block: int) -> list[int]:
         """Interleaved: at time step ``t`` the ranks compute the ``W`` consecutive micro-batches
         ``t * W ... t * W + W - 1``, one subtree, which each unit's exchange then adds."""
-        return [t * self.world + self.block for t in range(micro_batches // self.world)]
+        return [t * self.world + block for t in range(micro_batches // self.world)]
 
     def params(self) -> list[torch.Tensor]:
         return [p for p in self._model.parameters() if p.requires_grad]
@@ -185,11 +185,13 @@ class _UnitSum:
                                           lambda n: torch.empty(n, dtype=torch.float32, device=device))
             row = sent.numel() // world
         owned_by = [[(sp, g) for sp, g in owned if sp.owner == rank] for rank in range(world)]
-        if owned:  # each destination's row, then its owned parameters' gradients
-            pieces = [torch.cat([sent[d * row : (d + 1) * row], _owned_piece(owned_by[d], device)]) for d in range(world)]
-            pending = start_exchange(pieces, pieces[me].numel(), self.group)
+        if owned:  # each destination's row, then its owned parameters' gradients and flags: one copy
+            segments = [_destination_segments(sent[d * row : (d + 1) * row], owned_by[d], device) for d in range(world)]
+            splits = [sum(t.numel() for t in segment) for segment in segments]
+            sent = torch.cat([t for segment in segments for t in segment])
+            pending = start_exchange(sent, splits, splits[me], self.group)
         else:
-            pending = start_exchange_of(sent, [row] * world, row, self.group)
+            pending = start_exchange(sent, [row] * world, row, self.group)
         return pending, (layout, [sp for sp, _ in owned_by[me]], row)
 
     def end_micro_batch(self) -> None:
@@ -246,10 +248,8 @@ class _InFlight:
         self._pending.wait()
 
 
-def _owned_piece(pairs: list[tuple[Any, Optional[torch.Tensor]]], device: torch.device) -> torch.Tensor:
-    """One owner's owned parameters' full gradients (zeros where none), then a flag each."""
-    if not pairs:
-        return torch.zeros(0, dtype=torch.float32, device=device)
-    values = [g.reshape(-1).float() if g is not None else torch.zeros(sp.geometry.numel, device=device) for sp, g in pairs]
-    flags = torch.tensor([float(g is not None) for _, g in pairs], device=device)
-    return torch.cat(values + [flags])
+def _destination_segments(row: torch.Tensor, owned: list[tuple[Any, Optional[torch.Tensor]]], device: torch.device) -> list[torch.Tensor]:
+    """What one destination rank gets: its row of the element-sharded gradients, then the full
+    gradients (fp32; zeros where none) of the parameters it owns, then a "used" flag each."""
+    values = [g.reshape(-1).float() if g is not None else torch.zeros(sp.geometry.numel, device=device) for sp, g in owned]
+    return [row, *values, used_flags([g is not None for _, g in owned], torch.float32, device)]

@@ -27,10 +27,11 @@ class Stage:
     world: int  # data-parallel ranks (every replica row's, for hybrid sharding)
     block: int  # this rank's block: its position among them
 
-    def indices(self, micro_batches: int) -> list[int]:
-        """The micro-batches this rank computes, in the order it must compute them."""
+    def indices(self, micro_batches: int, block: int) -> list[int]:
+        """The micro-batches the rank of ``block`` computes, in the order it must compute them:
+        a block of consecutive ones (layers 0-2)."""
         per_rank = micro_batches // self.world
-        return [self.block * per_rank + t for t in range(per_rank)]
+        return [block * per_rank + t for t in range(per_rank)]
 
     def micro_batch(self) -> ContextManager[None]:
         """The context one micro-batch's forward and backward run in."""

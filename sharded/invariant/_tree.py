@@ -9,15 +9,15 @@ gradients is the balanced binary one, ``((g0 + g1) + (g2 + g3)) + ((g4 + g5) + (
 that sums such a block with the same tree, and ranks that combine blocks pairwise up the same
 tree, reach the very bits one process summing all ``M`` would reach.
 
-:func:`tree_sum` sums a list of parts up that tree (the parts being subtree sums of equal size,
-in leaf order); :class:`TreeAccumulator` does the same as the parts arrive one by one, holding at
+:func:`tree_sum` sums the rows of a tensor up that tree (the rows being subtree sums of equal
+size, in leaf order); :class:`TreeAccumulator` does the same as the parts arrive one by one, holding at
 most ``log2(count) + 1`` partial sums (a binary counter: two partials of equal size are added as
 soon as both exist).
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
@@ -28,16 +28,15 @@ def is_power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def tree_sum(parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The sum of ``parts`` (a power-of-two count, in leaf order) up the balanced binary tree:
-    neighbours first, then neighbouring pairs, and so on. Adds in place into the left operand
-    of each addition, so ``parts`` must be tensors the caller can give up."""
-    if not is_power_of_two(len(parts)):
-        raise ValueError(f"the canonical tree sums a power-of-two number of parts, got {len(parts)}")
-    level = list(parts)
-    while len(level) > 1:
-        level = [level[i].add_(level[i + 1]) for i in range(0, len(level), 2)]
-    return level[0]
+def tree_sum(rows: torch.Tensor) -> torch.Tensor:
+    """The sum of ``rows`` (dim 0, a power-of-two count, in leaf order) up the balanced binary
+    tree: neighbours first, then neighbouring pairs, and so on; one in-place addition per level,
+    into the left operand of each pair, so ``rows`` must be a tensor the caller can give up."""
+    if not is_power_of_two(rows.shape[0]):
+        raise ValueError(f"the canonical tree sums a power-of-two number of parts, got {rows.shape[0]}")
+    while rows.shape[0] > 1:
+        rows = rows[0::2].add_(rows[1::2])
+    return rows[0]
 
 
 class TreeAccumulator:

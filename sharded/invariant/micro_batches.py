@@ -24,7 +24,7 @@ from .._common.norm import scale_by_norm_
 from .._common.step_checks import install_step_check
 from ._norm import check_norm_type, invariant_grad_norm
 from ._stages import Stage, stage_of
-from ._tree import is_power_of_two
+from ._tree import is_power_of_two, tree_sum
 
 __all__ = ["MicroBatches"]
 
@@ -70,7 +70,7 @@ class MicroBatches:
         self.count = micro_batches
         self._stage: Stage = stage_of(model)
         _check_counts(micro_batches, self._stage.world)
-        self.indices: list[int] = self._stage.indices(micro_batches)
+        self.indices: list[int] = self._stage.indices(micro_batches, self._stage.block)
         self._position = 0  # micro-batches of the current loop done
         self._param_ids = {id(p) for p in self._stage.params()}
         _live.add(self)
@@ -117,9 +117,7 @@ class MicroBatches:
         gathered = self._gather_in_block_order(mine)
         by_index = torch.empty(self.count, dtype=torch.float32, device=gathered.device)
         by_index[torch.tensor(self._all_indices(), device=gathered.device)] = gathered
-        while by_index.numel() > 1:
-            by_index = by_index[0::2] + by_index[1::2]
-        return (by_index[0] / self.count).cpu()
+        return (tree_sum(by_index) / self.count).cpu()
 
     def _gather_in_block_order(self, mine: torch.Tensor) -> torch.Tensor:
         gathered = mine
@@ -131,10 +129,7 @@ class MicroBatches:
 
     def _all_indices(self) -> list[int]:
         """Every block's indices, in block order (what :meth:`_gather_in_block_order` gives)."""
-        per_rank = self.count // self._stage.world
-        if self.indices == [self._stage.block * per_rank + t for t in range(per_rank)]:
-            return list(range(self.count))
-        return [t * self._stage.world + b for b in range(self._stage.world) for t in range(per_rank)]
+        return [i for block in range(self._stage.world) for i in self._stage.indices(self.count, block)]
 
     def _describe_unfinished(self) -> str:
         return f"{self._position} of this rank's {len(self.indices)} micro-batches"
