@@ -63,6 +63,15 @@ class BufferPlacement:
         """Where values that ``device`` holds are kept at rest."""
         return torch.device("cpu") if self.offload_to_cpu else device
 
+    def gathered_dtype(self, rest: torch.Tensor) -> torch.dtype:
+        """The gathered parameters' dtype, for values kept at rest in ``rest``."""
+        return self.unsharded_dtype or rest.dtype
+
+    def gathers_nothing(self, world: int, rest: torch.Tensor) -> bool:
+        """One rank, and ``rest`` already in the gathered dtype on the compute device: the
+        gathered parameters can view the values at rest themselves."""
+        return world == 1 and self.gathered_dtype(rest) == rest.dtype and rest.device == self.compute_device
+
     def new_rest_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A zeroed flat buffer to keep values at rest on ``device``."""
         pin = self.pin_memory and self.offload_to_cpu and device.type == "cpu" and torch.cuda.is_available()
@@ -203,12 +212,11 @@ class UnitStorage:
     @property
     def aliases_shards(self) -> bool:
         """One shard, same dtype and device: the unsharded parameters view the shards."""
-        flat = self.sharded_flat
-        return self.world == 1 and self.unsharded_dtype == flat.dtype and flat.device == self.compute_device
+        return self.placement.gathers_nothing(self.world, self.sharded_flat)
 
     @property
     def unsharded_dtype(self) -> torch.dtype:
-        return self.placement.unsharded_dtype or self.sharded_flat.dtype
+        return self.placement.gathered_dtype(self.sharded_flat)
 
     def _prepare_unsharded(self) -> None:
         """(Re)build the unsharded buffer and parameters if the shards' dtype or storage changed."""

@@ -170,12 +170,11 @@ class OwnedGather:
         """One rank in the shard group, in the compute dtype and device: the unsharded parameters
         view the owned values themselves (nothing to broadcast; with more ranks every rank takes
         part in every broadcast, the owner too)."""
-        flat = self.owned_flat
-        return self.world == 1 and self.unsharded_dtype == flat.dtype and flat.device == self.compute_device
+        return self.placement.gathers_nothing(self.world, self.owned_flat)
 
     @property
     def unsharded_dtype(self) -> torch.dtype:
-        return self.placement.unsharded_dtype or self.dtype
+        return self.placement.gathered_dtype(self.owned_flat)
 
     def _prepare_unsharded(self) -> None:
         key = (self.unsharded_dtype, self.owned_flat.device, self.aliases_values and self.owned_flat.data_ptr())
@@ -203,12 +202,6 @@ class OwnedGather:
     def _allocate_unsharded(self) -> None:
         if self._unsharded_flat is not None:
             ensure_allocated(self._unsharded_flat)
-
-    def unsharded_bytes(self) -> int:
-        """Bytes the unsharded buffer holds right now (0 while freed or aliasing the values)."""
-        if self.aliases_values or self._unsharded_flat is None:
-            return 0
-        return self._unsharded_flat.untyped_storage().nbytes()
 
 
 @dataclass
