@@ -120,7 +120,7 @@ def _check_muon_and_adamw_match_ddp(rank, world):
     batch = token_batch(rank, STEPS)  # first a backward that is clipped and dropped
     gpt_loss(ddp, batch).backward()
     gpt_loss(model, batch).backward()
-    _check_clipping_counts_owned_gradients_once(model, ref)
+    _check_clipping_counts_owned_gradients_once(model, ref, owned)
     for step in range(STEPS):
         batch = token_batch(rank, step)
         ref_loss = _step(ddp, theirs, batch, gpt_loss)
@@ -161,13 +161,23 @@ def _assert_within_bf16_rounding(model, ref):
     assert diffs.max() <= 0.1 * ADAMW_LR * STEPS and diffs.mean() <= 1e-5, f"AdamW-stepped: max {diffs.max():.3g}, mean {diffs.mean():.3g}"
 
 
-def _check_clipping_counts_owned_gradients_once(model, ref):
+def _check_clipping_counts_owned_gradients_once(model, ref, owned):
     """``sharded.fsdp.clip_grad_norm_`` takes the norm over every gradient, each owned one once,
     and clips each by it: torch's norm and clipped gradients on DDP, to float32 rounding (the
     squares are summed in another order, so the clip factor may differ in its last bit). torch's
-    ``clip_grad_norm_`` over a model with owned parameters is routed to it."""
+    ``clip_grad_norm_`` over a model with owned parameters is routed to it; ``foreach`` picks
+    kernels, not numbers; torch's ``get_total_norm`` refuses an owned gradient (from gradients
+    alone it would return this rank's norm)."""
     names = [n for n, _ in model.named_parameters()]
     unclipped = clip_grad_norm_(model.parameters(), float("inf"))  # sharded's: the norm, nothing scaled
+    for foreach in (False, True):
+        assert torch.equal(clip_grad_norm_(model.parameters(), float("inf"), foreach=foreach), unclipped), f"foreach={foreach}"
+    if any(p.to_local().numel() for n, p in model.named_parameters() if n in owned):
+        every = [p.grad for p in model.parameters() if p.grad is not None]  # torch would refuse two meshes
+        mine = [p.grad for n, p in model.named_parameters() if n in owned and p.grad is not None]  # or sum these alone
+        for grads in (every, mine):
+            with pytest.raises(NotImplementedError, match=r"rank \d+: torch.nn.utils.get_total_norm got the gradient \(shape .*\) of an owner-placed"):
+                torch.nn.utils.get_total_norm(grads)
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)  # torch's name, routed to sharded's
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
     assert torch.equal(norm, unclipped), "torch's clip_grad_norm_ over owned parameters is sharded's"
@@ -348,6 +358,10 @@ def _check_refusals(rank, world):
     fully_shard(model[0], shard_placement_fn=lambda p: Owned(0) if p.dim() == 2 else None)
     with pytest.raises(NotImplementedError, match=r"set_all_reduce_hook: parameter .*weight is owner-placed"):
         model[0].set_all_reduce_hook(lambda t: None)
+    on_meta = nn.Parameter(torch.zeros(2, device="meta"))
+    on_meta.grad = torch.zeros(2, device="meta")
+    with pytest.raises(RuntimeError, match="rank 0: foreach=True was passed, but meta tensors have no foreach kernels"):
+        clip_grad_norm_([on_meta], 1.0, foreach=True)
 
 
 def _check_one_unit_offloaded_or_resharded(rank, world):

@@ -8,15 +8,18 @@ per-rank *term*, ``sum |g|^p`` (``max |g|`` for the inf-norm) accumulated in fp3
 gradients' dtype, combined over the ranks holding disjoint parts with one all-reduce (SUM, or
 MAX for the inf-norm), and finished with the p-th root. A non-finite norm is handled alike
 everywhere: with ``error_if_nonfinite`` an error naming the rank before anything is scaled,
-otherwise the gradients are scaled by the (non-finite) coefficient, as torch does.
+otherwise the gradients are scaled by the (non-finite) coefficient, as torch does. ``foreach``
+picks the kernels as torch's ``clip_grad_norm_`` does: its multi-tensor ones (``None``: where the
+device has them; ``True`` raises where it has not), one tensor at a time otherwise.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, cast
 
 import torch
 import torch.distributed as dist
+from torch.utils._foreach_utils import _device_has_foreach_support, _group_tensors_by_device_and_dtype
 
 from . import comm
 from .errors import on_rank
@@ -26,14 +29,22 @@ __all__ = ["norm_term", "all_reduce_term", "total_norm", "scale_by_norm_", "clip
 INF = float("inf")
 
 
-def norm_term(tensors: Sequence[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+def norm_term(
+    tensors: Sequence[torch.Tensor], norm_type: float, device: torch.device, foreach: Optional[bool] = False
+) -> torch.Tensor:
     """``max |x|`` (inf-norm) or ``sum |x|^p`` over ``tensors``: a 0-dim fp32 tensor on
     ``device``. Empty tensors (a rank past a short parameter's last row) count as 0."""
-    tensors = [t for t in tensors if t.numel()]
+    tensors = [t.detach() for t in tensors if t.numel()]
     if not tensors:
         return torch.zeros((), dtype=torch.float32, device=device)
-    norms = torch.stack([torch.linalg.vector_norm(t.detach(), norm_type, dtype=torch.float32).to(device) for t in tensors])
-    return norms.max() if norm_type == INF else norms.pow(norm_type).sum()
+    norms: list[torch.Tensor] = []
+    for group, multi_tensor in _kernel_groups(tensors, foreach):
+        if multi_tensor:
+            norms.extend(torch._foreach_norm(group, norm_type, dtype=torch.float32))
+        else:
+            norms.extend(torch.linalg.vector_norm(t, norm_type, dtype=torch.float32) for t in group)
+    stacked = torch.stack([n.to(device) for n in norms])
+    return stacked.max() if norm_type == INF else stacked.pow(norm_type).sum()
 
 
 def all_reduce_term(term: torch.Tensor, group: Optional[dist.ProcessGroup], norm_type: float) -> torch.Tensor:
@@ -56,7 +67,12 @@ def total_norm(terms: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
 
 
 def scale_by_norm_(
-    tensors: Sequence[torch.Tensor], total: torch.Tensor, max_norm: float, norm_type: float, error_if_nonfinite: bool
+    tensors: Sequence[torch.Tensor],
+    total: torch.Tensor,
+    max_norm: float,
+    norm_type: float,
+    error_if_nonfinite: bool,
+    foreach: Optional[bool] = False,
 ) -> None:
     """Scale ``tensors`` in place so that a set whose norm is ``total`` has norm at most ``max_norm``."""
     if error_if_nonfinite and not torch.isfinite(total):
@@ -65,8 +81,29 @@ def scale_by_norm_(
             "be clipped; pass error_if_nonfinite=False to clip anyway"
         ))
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for tensor in tensors:
-        tensor.detach().mul_(coefficient.to(tensor.device, tensor.dtype))
+    for group, multi_tensor in _kernel_groups([t.detach() for t in tensors], foreach):
+        scale = coefficient.to(group[0].device, group[0].dtype)
+        if multi_tensor:
+            torch._foreach_mul_(group, scale)
+        else:
+            for tensor in group:
+                tensor.mul_(scale)
+
+
+def _kernel_groups(tensors: Sequence[torch.Tensor], foreach: Optional[bool]) -> list[tuple[list[torch.Tensor], bool]]:
+    """``tensors`` (plain, detached) by device and dtype, each group with whether torch's
+    multi-tensor kernels take it (``foreach``, as the module docstring says); with ``foreach=False``
+    one group, so that the norm's terms add in the given order."""
+    if foreach is False:
+        return [(list(tensors), False)] if tensors else []
+    groups = _group_tensors_by_device_and_dtype([list(tensors)])  # type: ignore[list-item]
+    kernel_groups = []
+    for (device, _), ([group], _) in groups.items():
+        supported = _device_has_foreach_support(device)
+        if foreach and not supported:
+            raise RuntimeError(on_rank(f"foreach=True was passed, but {device.type} tensors have no foreach kernels"))
+        kernel_groups.append((cast(list[torch.Tensor], group), supported))
+    return kernel_groups
 
 
 def clip_by_global_norm(

@@ -12,7 +12,7 @@ joins that sum, whether or not it owns a gradient). The result equals ``clip_gra
 
 from __future__ import annotations
 
-from typing import Iterable, Union
+from typing import Iterable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -26,9 +26,11 @@ from .._common.norm import all_reduce_term, norm_term, scale_by_norm_, total_nor
 __all__ = ["clip_grad_norm_", "global_grad_norm"]
 
 
-def global_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+def global_grad_norm(
+    parameters: Iterable[torch.Tensor], norm_type: float = 2.0, foreach: Optional[bool] = None
+) -> torch.Tensor:
     """Collective: the ``norm_type``-norm of all gradients of ``parameters`` over every rank
-    (a 0-dim fp32 tensor, the same on every rank)."""
+    (a 0-dim fp32 tensor, the same on every rank); ``foreach`` picks the kernels as torch's does."""
     norm_type = float(norm_type)
     by_groups: dict[tuple[dist.ProcessGroup, ...], list[torch.Tensor]] = {}
     whole: list[torch.Tensor] = []
@@ -42,9 +44,9 @@ def global_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0)
         (by_groups[groups] if groups else whole).append(local)
     first = next(iter(whole or [t for ts in by_groups.values() for t in ts]), None)
     device = first.device if first is not None else torch.device("cpu")
-    terms = [norm_term(whole, norm_type, device)]
+    terms = [norm_term(whole, norm_type, device, foreach)]
     for groups, locals_ in by_groups.items():
-        term = norm_term(locals_, norm_type, comm.comm_device(groups[0]))
+        term = norm_term(locals_, norm_type, comm.comm_device(groups[0]), foreach)
         for group in groups:
             term = all_reduce_term(term, group, norm_type)
         terms.append(term.to(device))
@@ -56,14 +58,16 @@ def clip_grad_norm_(
     max_norm: float,
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
+    foreach: Optional[bool] = None,
 ) -> torch.Tensor:
     """Scale the gradients of ``parameters`` in place so that their global norm is at most
     ``max_norm``; returns the global norm before clipping (as ``torch.nn.utils.clip_grad_norm_``
-    would on the unsharded model). Collective: every rank calls it with the same parameters."""
+    would on the unsharded model, whose arguments it takes). Collective: every rank calls it with
+    the same parameters."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    total = global_grad_norm(params, norm_type)
+    total = global_grad_norm(params, norm_type, foreach)
     locals_ = [local_tensor_of(p.grad) for p in params if p.grad is not None]
-    scale_by_norm_(locals_, total, max_norm, float(norm_type), error_if_nonfinite)
+    scale_by_norm_(locals_, total, max_norm, float(norm_type), error_if_nonfinite, foreach)
     return total
 
 
