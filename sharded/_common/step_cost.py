@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Sequence
+from typing import Optional, Sequence
+
+from .errors import on_rank
 
 __all__ = ["newton_schulz_cost", "checked_cost", "place_greedily"]
 
@@ -36,13 +38,14 @@ def newton_schulz_cost(shape: Sequence[int]) -> int:
     return math.prod(leading) * m * n * min(m, n)
 
 
-def checked_cost(value: object, what: str) -> float:
-    """``value`` as a float, if it is a finite number >= 0; otherwise an error that says ``what``
-    gave it (which function, for which parameter) and what a cost must be."""
+def checked_cost(value: object, what: str, group_rank: Optional[int] = None) -> float:
+    """``value`` as a float, if it is a finite number >= 0; otherwise an error on this rank
+    (``group_rank`` in its group, if given) that says ``what`` gave it (which function, for which
+    parameter) and what a cost must be."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{what} is {value!r}; a cost must be a number (an int or float)")
+        raise TypeError(on_rank(f"{what} is {value!r}; a cost must be a number (an int or float)", group_rank))
     if not math.isfinite(value) or value < 0:
-        raise ValueError(f"{what} is {value!r}; a cost must be a finite number >= 0")
+        raise ValueError(on_rank(f"{what} is {value!r}; a cost must be a finite number >= 0", group_rank))
     return float(value)
 
 

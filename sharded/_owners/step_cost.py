@@ -18,7 +18,6 @@ from typing import Callable, Sequence
 import torch
 from torch.optim import Optimizer
 
-from .._common.errors import on_rank
 from .._common.step_cost import checked_cost, newton_schulz_cost
 
 __all__ = ["ParamCost", "bytes_cost", "default_param_cost", "param_costs"]
@@ -46,15 +45,7 @@ def param_costs(
     number >= 0. ``first_group`` is the index of ``param_groups[0]`` among all the optimizer's
     groups, for messages; ``group_rank`` is the rank that raises."""
     return tuple(
-        _checked(cost(p), f"param group {first_group + g}, parameter {i} (shape {tuple(p.shape)})", group_rank)
+        checked_cost(cost(p), f"param_cost's result for param group {first_group + g}, parameter {i} (shape {tuple(p.shape)})", group_rank)
         for g, group in enumerate(param_groups)
         for i, p in enumerate(group)
     )
-
-
-def _checked(value: object, where: str, group_rank: int) -> float:
-    """``value`` as a float, or an error naming the parameter it was computed for."""
-    try:
-        return checked_cost(value, f"param_cost's result for {where}")
-    except (TypeError, ValueError) as bad:
-        raise type(bad)(on_rank(str(bad), group_rank)) from None

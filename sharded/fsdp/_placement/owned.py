@@ -133,7 +133,4 @@ def _checked_request(request: OwnerRequest, world: int) -> float:
     what = f"fully_shard(shard_placement_fn=...) returned {placement!r} for parameter {request.fqn}"
     if placement.rank is not None and not (isinstance(placement.rank, int) and 0 <= placement.rank < world):
         raise ValueError(on_rank(f"{what}: the owner must be a rank of the shard group, 0..{world - 1}"))
-    try:
-        return checked_cost(request.cost, f"{what}: its cost")
-    except (TypeError, ValueError) as bad:
-        raise type(bad)(on_rank(str(bad))) from None
+    return checked_cost(request.cost, f"{what}: its cost")
