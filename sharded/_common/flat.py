@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 from collections import defaultdict
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -24,6 +24,7 @@ __all__ = [
     "offsets_of",
     "used_flags",
     "used_anywhere",
+    "pack_with_used_flags",
     "wire_dtype_for",
 ]
 
@@ -121,6 +122,21 @@ def used_flags(had: Sequence[bool], dtype: torch.dtype, device: torch.device) ->
     ranks' flags are summed or averaged, a flag is positive exactly where some rank had it, so the
     owner of the result tells a zero gradient from none (layers 2 and 3 append these to the data)."""
     return torch.tensor(list(had), dtype=dtype).to(device, non_blocking=True)
+
+
+def pack_with_used_flags(out: torch.Tensor, tensors: Sequence[Optional[torch.Tensor]], numels: Sequence[int]) -> None:
+    """Fill ``out`` (``sum(numels) + len(numels)`` elements) with ``tensors`` back to back, cast to
+    its dtype, zeros (``numels[i]`` of them) for a ``None``, then their :func:`used_flags`: the
+    buffer a gradient reduction sends when some ranks may have no gradient for a tensor. One
+    multi-tensor copy and one multi-tensor fill, not a kernel per tensor."""
+    pieces = out.split([*numels, len(numels)])
+    present = [(piece.view(t.shape), t.detach()) for piece, t in zip(pieces, tensors) if t is not None]
+    if present:
+        torch._foreach_copy_([piece for piece, _ in present], [t for _, t in present])
+    absent = [piece for piece, t in zip(pieces, tensors) if t is None]
+    if absent:
+        torch._foreach_zero_(absent)
+    pieces[-1].copy_(used_flags([t is not None for t in tensors], out.dtype, out.device))
 
 
 def used_anywhere(reduced_flags: torch.Tensor) -> list[bool]:

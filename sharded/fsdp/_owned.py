@@ -27,7 +27,7 @@ from torch import nn
 
 from .._common import comm
 from .._common.errors import on_rank
-from .._common.flat import is_view_of, offsets_of, used_anywhere, used_flags
+from .._common.flat import is_view_of, offsets_of, pack_with_used_flags, used_anywhere
 from ._flat_buffers import BufferPlacement, check_materialised, ensure_allocated, release
 from ._gather import GatherRoute
 from ._param import ShardedParam
@@ -318,16 +318,11 @@ def _send(
     group: dist.ProcessGroup,
     world: int,
 ) -> _OwnerSend:
-    params = [sp for sp, _ in pairs]
-    had_grad = [grad is not None for _, grad in pairs]
-    sent = torch.empty(sum(sp.geometry.numel for sp in params) + len(params), dtype=dtype, device=device)
-    pieces = sent.split([sp.geometry.numel for sp in params] + [len(params)])
-    for (sp, grad), piece in zip(pairs, pieces):
-        if grad is None:
-            piece.zero_()
-        else:
-            piece.view(sp.geometry.shape).copy_(grad)
-    pieces[-1].copy_(used_flags(had_grad, dtype, device))
+    params, grads = [sp for sp, _ in pairs], [grad for _, grad in pairs]
+    numels = [sp.geometry.numel for sp in params]
+    sent = torch.empty(sum(numels) + len(params), dtype=dtype, device=device)
+    pack_with_used_flags(sent, grads, numels)
+    had_grad = [grad is not None for grad in grads]
     plan.scale_sent(sent)
     work = comm.start_reduce(sent, owner, group, plan.scatter_op) if world > 1 else None
     return _OwnerSend(owner, params, sent, had_grad, work)

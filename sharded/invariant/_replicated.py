@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .._common import comm
 from .._common.errors import on_rank
-from .._common.flat import used_anywhere, used_flags
+from .._common.flat import pack_with_used_flags, used_anywhere
 from ..sharded_ddp import ShardedDataParallel
 from ._exchange import all_reduce_canonically, start_exchange
 from ._norm import RowsHeld, row_count
@@ -30,7 +30,6 @@ from ._stage import Stage
 from ._tree import TreeAccumulator
 
 __all__ = ["ReplicatedStage", "OwnersStage"]
-
 
 
 class _FlatLeaves:
@@ -61,15 +60,9 @@ class _FlatLeaves:
 
 def _move_grads_into(params: list[torch.Tensor], piece: torch.Tensor) -> None:
     """``params``' gradients into ``piece`` (then their "used" flags), leaving ``.grad`` empty."""
-    pieces = piece.split([p.numel() for p in params] + [len(params)])
-    had = [p.grad is not None for p in params]
-    for p, values in zip(params, pieces):
-        if p.grad is None:
-            values.zero_()
-        else:
-            values.copy_(p.grad.reshape(-1))
-            p.grad = None
-    pieces[-1].copy_(used_flags(had, torch.float32, piece.device))
+    pack_with_used_flags(piece, [p.grad for p in params], [p.numel() for p in params])
+    for p in params:
+        p.grad = None
 
 
 def _land(params: list[torch.Tensor], flat: torch.Tensor, micro_batches: int) -> None:

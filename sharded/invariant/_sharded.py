@@ -19,7 +19,7 @@ from torch import nn
 
 from .._common import comm
 from .._common.errors import on_rank
-from .._common.flat import used_anywhere, used_flags
+from .._common.flat import pack_with_used_flags, used_anywhere
 from ._exchange import PendingExchange, start_exchange, sum_across_replicas
 from ._norm import RowsHeld, row_count
 from .._common.dtensors import local_tensor_of
@@ -27,7 +27,6 @@ from ._stage import Stage
 from ._tree import TreeAccumulator
 
 __all__ = ["ShardedStage"]
-
 
 
 class ShardedStage(Stage):
@@ -185,10 +184,8 @@ class _UnitSum:
                                           lambda n: torch.empty(n, dtype=torch.float32, device=device))
             row = sent.numel() // world
         owned_by = [[(sp, g) for sp, g in owned if sp.owner == rank] for rank in range(world)]
-        if owned:  # each destination's row, then its owned parameters' gradients and flags: one copy
-            segments = [_destination_segments(sent[d * row : (d + 1) * row], owned_by[d], device) for d in range(world)]
-            splits = [sum(t.numel() for t in segment) for segment in segments]
-            sent = torch.cat([t for segment in segments for t in segment])
+        if owned:  # each destination's row, then its owned parameters' gradients and flags
+            sent, splits = _with_owned_gradients(sent, row, owned_by, device)
             pending = start_exchange(sent, splits, splits[me], self.group)
         else:
             pending = start_exchange(sent, [row] * world, row, self.group)
@@ -248,8 +245,16 @@ class _InFlight:
         self._pending.wait()
 
 
-def _destination_segments(row: torch.Tensor, owned: list[tuple[Any, Optional[torch.Tensor]]], device: torch.device) -> list[torch.Tensor]:
-    """What one destination rank gets: its row of the element-sharded gradients, then the full
-    gradients (fp32; zeros where none) of the parameters it owns, then a "used" flag each."""
-    values = [g.reshape(-1).float() if g is not None else torch.zeros(sp.geometry.numel, device=device) for sp, g in owned]
-    return [row, *values, used_flags([g is not None for _, g in owned], torch.float32, device)]
+def _with_owned_gradients(
+    rows: torch.Tensor, row: int, owned_by: list[list[tuple[Any, Optional[torch.Tensor]]]], device: torch.device
+) -> tuple[torch.Tensor, list[int]]:
+    """The exchange's send buffer and its splits: for each destination rank ``d``, row ``d`` of
+    the element-sharded gradients (``rows``, rank-major), then the full gradients (fp32; zeros
+    where none) of the parameters ``d`` owns, then a "used" flag each."""
+    numels = [[sp.geometry.numel for sp, _ in owned] for owned in owned_by]
+    splits = [row + sum(n) + len(n) for n in numels]
+    sent = torch.empty(sum(splits), dtype=torch.float32, device=device)
+    for d, (piece, owned) in enumerate(zip(sent.split(splits), owned_by)):
+        piece[:row].copy_(rows[d * row : (d + 1) * row])
+        pack_with_used_flags(piece[row:], [g for _, g in owned], numels[d])
+    return sent, splits

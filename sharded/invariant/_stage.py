@@ -71,7 +71,3 @@ def check_no_gradients(params: list[torch.Tensor]) -> None:
             "MicroBatches: parameters hold gradients as the micro-batch loop starts; call optimizer.zero_grad() "
             "before it (the loop sums the micro-batches' gradients in its own order and lands their mean)"
         ))
-
-
-
-

@@ -146,8 +146,6 @@ def _check_counts(micro_batches: int, world: int) -> None:
         ))
 
 
-
-
 def _first_device(params: list[torch.Tensor]) -> torch.device:
     return local_tensor_of(params[0]).device if params else torch.device("cpu")
 
