@@ -249,10 +249,11 @@ class OSS(Optimizer):
         """
         params = [self._partition.params[i] for i in self._partition.owned_indices(self.rank)]
         grads = [p.grad for p in params if p.grad is not None]
+        device = self._partition.params[0].device if self._partition.params else None
         if filter_params_fn is None:
-            return clip_by_global_norm(grads, max_norm, norm_type, self.group, error_if_nonfinite)
+            return clip_by_global_norm(grads, max_norm, norm_type, self.group, error_if_nonfinite, result_device=device)
         counted = [p.grad for p in filter_params_fn(params) if p.grad is not None]
-        return clip_by_global_norm(counted, max_norm, norm_type, self.group, error_if_nonfinite, clip=grads)
+        return clip_by_global_norm(counted, max_norm, norm_type, self.group, error_if_nonfinite, clip=grads, result_device=device)
 
     # ------------------------------------------------------------- changing the partition
 

@@ -215,7 +215,8 @@ class ShardedDataParallel(nn.Module):
         contributes its share and the result equals torch's function on DDP.
         """
         grads = self._grads_this_rank_answers_for()
-        return clip_by_global_norm(grads, max_norm, norm_type, self.process_group, error_if_nonfinite)
+        device = next((p.device for p in self.module.parameters()), None)
+        return clip_by_global_norm(grads, max_norm, norm_type, self.process_group, error_if_nonfinite, result_device=device)
 
     def _grads_this_rank_answers_for(self) -> list[torch.Tensor]:
         """Gradients of the parameters this rank owns; rank 0 also answers for the parameters

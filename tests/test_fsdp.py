@@ -27,13 +27,13 @@ from tests._fsdp_reference import (
     uneven_batch,
     uneven_loss,
 )
-from tests._device import DEVICE_AGNOSTIC, LAYER3_OVER_GLOO_ON_CUDA, skip_gloo_on_cuda, world_sizes
+from tests._device import DEVICE_AGNOSTIC
 from tests._harness import assert_same_on_all_ranks, run_on_ranks
 from tests._models import gpt, gpt_loss, token_batch
 
 pytestmark = DEVICE_AGNOSTIC
 
-WORLD_SIZES = world_sizes(1, 2, 3, gloo_on_cuda=LAYER3_OVER_GLOO_ON_CUDA)
+WORLD_SIZES = [1, 2, 3]
 
 
 def _check_matches_ddp(rank, world):
@@ -52,6 +52,30 @@ def _check_matches_ddp(rank, world):
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_matches_ddp_with_sgd_and_adamw_resharding_after_forward_or_not(world_size):
     run_on_ranks(_check_matches_ddp, world_size)
+
+
+def _check_default_mesh_is_torchs(rank, world):
+    """With no mesh given, ours shards onto torch's default mesh: the accelerator's when there
+    is one, whatever the backend (on one GPU, worlds 2-3 run gloo with CUDA tensors), else the
+    CPU; the module's state moves there as torch's does, from wherever it was built."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from examples.gpt import GPT
+
+    built = [GPT(64, 32, 2, 2, 16) for _ in range(2)]  # on the CPU, whatever the device under test
+    for model, shard in zip(built, (fully_shard, torch_fully_shard)):
+        shard_gpt(model, shard=shard)
+    ours, theirs = (list(m.parameters()) for m in built)
+    assert ours[0].device_mesh.device_type == theirs[0].device_mesh.device_type, (
+        f"default mesh on {ours[0].device_mesh.device_type}, torch's on {theirs[0].device_mesh.device_type}"
+    )
+    assert [p.to_local().device for p in ours] == [p.to_local().device for p in theirs], "shards left elsewhere than torch's"
+    assert [b.device for b in built[0].buffers()] == [b.device for b in built[1].buffers()], "buffers left elsewhere than torch's"
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_default_mesh_is_torchs(world_size):
+    run_on_ranks(_check_default_mesh_is_torchs, world_size)
 
 
 def _check_uneven_shapes(rank, world):
@@ -191,7 +215,7 @@ def _check_explicit_prefetch_and_manual_unshard(rank, world):
     assert_matches_ddp(ours, ref.module, "explicit prefetch lists and a manual unshard")
 
 
-@pytest.mark.parametrize("world_size", world_sizes(2, 3, gloo_on_cuda=LAYER3_OVER_GLOO_ON_CUDA))
+@pytest.mark.parametrize("world_size", [2, 3])
 def test_explicit_prefetch_and_manual_unshard_match_ddp(world_size):
     run_on_ranks(_check_explicit_prefetch_and_manual_unshard, world_size)
 
@@ -207,7 +231,6 @@ def _check_profiler_labels(rank, world):
     assert "sharded::all_gather(blocks.1)" in labels, sorted(labels)
 
 
-@skip_gloo_on_cuda(2, LAYER3_OVER_GLOO_ON_CUDA)
 def test_profiler_labels_name_each_unit_by_its_module_path():
     run_on_ranks(_check_profiler_labels, 2)
 
@@ -233,6 +256,6 @@ def _check_distributed_checkpoint(rank, world, path):
     assert_matches_ddp(resumed, ref.module, "resumed from torch.distributed.checkpoint", ADAMW)
 
 
-@pytest.mark.parametrize("world_size", world_sizes(2, gloo_on_cuda=LAYER3_OVER_GLOO_ON_CUDA))
+@pytest.mark.parametrize("world_size", [2])
 def test_torch_distributed_checkpoint_saves_and_resumes_model_and_optimizer(world_size, tmp_path):
     run_on_ranks(_check_distributed_checkpoint, world_size, str(tmp_path / "dcp"))

@@ -113,6 +113,7 @@ def clip_by_global_norm(
     group: Optional[dist.ProcessGroup],
     error_if_nonfinite: bool = False,
     clip: Optional[Sequence[torch.Tensor]] = None,
+    result_device: Optional[torch.device] = None,
 ) -> torch.Tensor:
     """Scale ``grads`` (this rank's disjoint part of all gradients) in place so that the global
     ``norm_type``-norm over ``group`` is at most ``max_norm``.
@@ -121,10 +122,14 @@ def clip_by_global_norm(
     only (fairscale's ``filter_params_fn``, which leaves out copies other ranks count), but every
     gradient is clipped by it, as torch's ``clip_grads_with_norm_`` does.
 
-    Collective. Returns the global norm before clipping (a 0-dim fp32 tensor), as torch does.
+    Collective. Returns the global norm before clipping (a 0-dim fp32 tensor), as torch does, on
+    the gradients' device (``result_device``: where a rank holding no gradient puts it), though the
+    ranks combine it where the backend needs (gloo: the CPU).
     """
     norm_type = float(norm_type)
     term = norm_term(grads, norm_type, comm.comm_device(group))
     total = total_norm([all_reduce_term(term, group, norm_type)], norm_type)
-    scale_by_norm_(grads if clip is None else clip, total, max_norm, norm_type, error_if_nonfinite)
-    return total
+    scaled = grads if clip is None else clip
+    scale_by_norm_(scaled, total, max_norm, norm_type, error_if_nonfinite)
+    device = result_device or next((g.device for g in scaled), None)
+    return total if device is None else total.to(device)

@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from .._common.dtensors import held_here
-from ._placement.dtensor import DTensorLayout
+from ._placement.dtensor import DTensorLayout, shard_as_dtensor
 
 __all__ = ["ShardGeometry", "ShardedParam"]
 
@@ -181,9 +181,7 @@ class ShardedParam:
         if self.layout is not None:
             return self.layout.sharded(local)
         g = self.geometry
-        return DTensor.from_local(
-            local, self._mesh, self._placements, run_check=False, shape=g.shape, stride=g.stride()
-        )
+        return shard_as_dtensor(local, self._mesh, tuple(self._placements), g.shape, g.stride())
 
     def attach_shard(self, slot: torch.Tensor, requires_grad: bool) -> None:
         """Make the sharded parameter's local tensor a view of ``slot``.

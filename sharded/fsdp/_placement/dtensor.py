@@ -21,11 +21,27 @@ from typing import Optional
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..._common.errors import on_rank
 
-__all__ = ["DTensorLayout", "layout_for", "contiguous_stride"]
+__all__ = ["DTensorLayout", "layout_for", "contiguous_stride", "shard_as_dtensor"]
+
+
+def shard_as_dtensor(
+    local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...], shape: torch.Size, stride: tuple[int, ...]
+) -> DTensor:
+    """``local`` (this rank's piece, where it lies) as a DTensor of global ``shape``, not differentiable.
+
+    ``DTensor.from_local`` copies a local tensor that is not on its mesh's device type onto it: a
+    CPU-offloaded shard of a CUDA mesh would become a CUDA copy that no longer views the unit's
+    CPU buffer (seen on the first GPU run: the shards and gradients of
+    ``CPUOffloadPolicy`` lived on the GPU). torch's FSDP2 builds its shards from a spec for the
+    same reason; so does this.
+    """
+    spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(shape, stride, local.dtype))
+    return DTensor(local, spec, requires_grad=local.requires_grad)  # type: ignore[call-arg]
 
 
 @dataclass(frozen=True)
@@ -43,7 +59,7 @@ class DTensorLayout:
 
     def sharded(self, local: torch.Tensor) -> DTensor:
         """``local`` (this rank's rows) as the sharded DTensor."""
-        return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride)
+        return shard_as_dtensor(local, self.mesh, self.placements, self.shape, self.stride)
 
     def unsharded(self, full: torch.Tensor) -> torch.Tensor:
         """``full`` (the gathered local tensor) as what the module computes with."""

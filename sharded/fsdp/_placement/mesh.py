@@ -119,4 +119,10 @@ def _group_or_world(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
 
 
 def _device_type(group: dist.ProcessGroup) -> str:
-    return "cuda" if dist.get_backend(group) == dist.Backend.NCCL else "cpu"
+    """The device type of the meshes built here, torch's ``fully_shard`` default: the accelerator
+    when one is available, whatever the backend (gloo carries CUDA tensors too), else the CPU.
+    NCCL always means CUDA."""
+    if dist.get_backend(group) == dist.Backend.NCCL:
+        return "cuda"
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    return accelerator.type if accelerator is not None else "cpu"
