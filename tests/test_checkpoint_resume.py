@@ -31,7 +31,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from sharded import OSS, ShardedDataParallel, ShardedGradScaler, checkpoint, fully_shard
-from tests._device import DEVICE_AGNOSTIC, collective_device, device_type_under_test
+from tests._device import DEVICE_AGNOSTIC, LAYER3_OVER_GLOO_ON_CUDA, collective_device, device_type_under_test, skip_gloo_on_cuda
 from tests._fsdp_reference import full_tensors
 from tests._harness import assert_same_on_all_ranks, run_on_ranks
 from tests._models import gpt, gpt_loss, token_batch
@@ -170,7 +170,7 @@ def _resume_and_finish(rank, world, root, cases):
 
 
 @pytest.mark.parametrize("world_size, cases", [
-    pytest.param(world, cases, id=f"{world}-{name}")
+    pytest.param(world, cases, id=f"{world}-{name}", marks=skip_gloo_on_cuda(world, LAYER3_OVER_GLOO_ON_CUDA) if cases is SHARDED else ())
     for world in (1, 2, 3) for name, cases in (("replicated", REPLICATED), ("zero3", SHARDED))
 ])
 def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path, world_size, cases):

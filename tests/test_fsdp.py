@@ -27,13 +27,13 @@ from tests._fsdp_reference import (
     uneven_batch,
     uneven_loss,
 )
-from tests._device import DEVICE_AGNOSTIC
+from tests._device import DEVICE_AGNOSTIC, LAYER3_OVER_GLOO_ON_CUDA, skip_gloo_on_cuda, world_sizes
 from tests._harness import assert_same_on_all_ranks, run_on_ranks
 from tests._models import gpt, gpt_loss, token_batch
 
 pytestmark = DEVICE_AGNOSTIC
 
-WORLD_SIZES = [1, 2, 3]
+WORLD_SIZES = world_sizes(1, 2, 3, gloo_on_cuda=LAYER3_OVER_GLOO_ON_CUDA)
 
 
 def _check_matches_ddp(rank, world):
@@ -73,7 +73,7 @@ def _check_default_mesh_is_torchs(rank, world):
     assert [b.device for b in built[0].buffers()] == [b.device for b in built[1].buffers()], "buffers left elsewhere than torch's"
 
 
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_default_mesh_is_torchs(world_size):
     run_on_ranks(_check_default_mesh_is_torchs, world_size)
 
@@ -215,7 +215,7 @@ def _check_explicit_prefetch_and_manual_unshard(rank, world):
     assert_matches_ddp(ours, ref.module, "explicit prefetch lists and a manual unshard")
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", world_sizes(2, 3, gloo_on_cuda=LAYER3_OVER_GLOO_ON_CUDA))
 def test_explicit_prefetch_and_manual_unshard_match_ddp(world_size):
     run_on_ranks(_check_explicit_prefetch_and_manual_unshard, world_size)
 
@@ -231,6 +231,7 @@ def _check_profiler_labels(rank, world):
     assert "sharded::all_gather(blocks.1)" in labels, sorted(labels)
 
 
+@skip_gloo_on_cuda(2, LAYER3_OVER_GLOO_ON_CUDA)
 def test_profiler_labels_name_each_unit_by_its_module_path():
     run_on_ranks(_check_profiler_labels, 2)
 
@@ -256,6 +257,6 @@ def _check_distributed_checkpoint(rank, world, path):
     assert_matches_ddp(resumed, ref.module, "resumed from torch.distributed.checkpoint", ADAMW)
 
 
-@pytest.mark.parametrize("world_size", [2])
+@pytest.mark.parametrize("world_size", world_sizes(2, gloo_on_cuda=LAYER3_OVER_GLOO_ON_CUDA))
 def test_torch_distributed_checkpoint_saves_and_resumes_model_and_optimizer(world_size, tmp_path):
     run_on_ranks(_check_distributed_checkpoint, world_size, str(tmp_path / "dcp"))

@@ -30,16 +30,18 @@ from tests._fsdp_reference import (
 )
 from tests._device import (
     DEVICE_AGNOSTIC,
+    LAYER3_OVER_GLOO_ON_CUDA,
     cpu_only,
     device_type_under_test,
     on_test_device,
+    world_sizes,
 )
 from tests._harness import assert_same_on_all_ranks, run_on_ranks
 from tests._models import gpt, gpt_loss, token_batch
 
 pytestmark = DEVICE_AGNOSTIC
 
-WORLD_SIZES = [1, 2, 3]
+WORLD_SIZES = world_sizes(1, 2, 3, gloo_on_cuda=LAYER3_OVER_GLOO_ON_CUDA)
 
 
 # ------------------------------------------------------------------------ mixed precision

@@ -283,12 +283,11 @@ class ShardedParam:
         """Add ``local_grad`` (this rank's rows of a reduced gradient, in the reduce dtype) to the
         sharded ``.grad``, cast to the shard's dtype and device."""
         master = self.local_shard()
-        local_grad = local_grad.to(device=master.device, dtype=master.dtype, non_blocking=True)
         grad = self.sharded.grad
-        if grad is None:
-            self.sharded.grad = self.as_dtensor(local_grad)
-        else:
-            cast(DTensor, grad).to_local().add_(local_grad)
+        if grad is None:  # a copy to the CPU may land later: the unit's backward ends waiting for it
+            self.sharded.grad = self.as_dtensor(local_grad.to(device=master.device, dtype=master.dtype, non_blocking=True))
+        else:  # read at once by the addition: a copy to the CPU must have landed first
+            cast(DTensor, grad).to_local().add_(local_grad.to(device=master.device, dtype=master.dtype))
 
     def keep_unsynced(self, dtype: torch.dtype) -> None:
         """Move the unsharded ``.grad`` into the local accumulator, in ``dtype`` (sync is off)."""
