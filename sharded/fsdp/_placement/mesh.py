@@ -70,7 +70,7 @@ class MeshInfo:
 
 def resolve_mesh(process_group: Optional[dist.ProcessGroup], mesh: Optional[DeviceMesh]) -> MeshInfo:
     """The mesh a ``fully_shard`` call asked for: ``mesh``, or a 1-D mesh over
-    ``process_group`` (default: the whole world)."""
+    ``process_group`` (default: the whole world) on torch's default device type (:func:`_device_type`)."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(on_rank("fully_shard needs torch.distributed initialised: call dist.init_process_group first"))
     if process_group is not None and mesh is not None:
