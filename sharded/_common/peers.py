@@ -60,7 +60,10 @@ def is_timeout(error: BaseException) -> bool:
 def collectives_issued(group: Optional[dist.ProcessGroup] = None) -> Optional[int]:
     """How many operations this rank has issued on ``group`` (default: the world), counted by the
     backend itself, so collectives torch's DDP issues from C++ count too. ``None`` where the
-    backend keeps no count. Point-to-point sends and receives count on the two ranks involved only."""
+    backend keeps no count or the group is gone. Point-to-point sends and receives count on the two
+    ranks involved only."""
+    if group is None and not dist.is_initialized():
+        return None
     process_group = group or dist.distributed_c10d._get_default_group()
     count = getattr(process_group, "_get_sequence_number_for_group", None)  # private, as torch's own users call it
     try:

@@ -76,10 +76,6 @@ class HeartbeatPublisher:
         self._thread = threading.Thread(target=self._run, name="sharded-heartbeat", daemon=True)
         self._thread.start()
 
-    @property
-    def step(self) -> Optional[int]:
-        return self._step
-
     def begin_step(self, step: int) -> None:
         """Step ``step`` begins: collectives are counted from here, and peers see it at once."""
         if self._stopped.is_set():
