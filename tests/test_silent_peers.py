@@ -51,20 +51,30 @@ FROZEN, BEATING = 7, 6
 ])
 def test_the_peer_that_stands_out_is_named_and_fellow_victims_are_not(peer, words):
     victims = {2: _seen(BEATING), 3: _seen(FROZEN, state=PEER_FAILED)}  # one still waits, one failed already
-    finding = explain(ME, {1: peer, **victims})
+    finding = explain(ME, 0, {1: peer, **victims})
     assert finding.silent_ranks == (1,)
     assert finding.account.startswith(words), finding.account
 
 
 def test_every_silent_peer_is_named():
-    finding = explain(ME, {1: _seen(FROZEN), 2: _seen(BEATING), 3: _seen(BEATING, collectives=3)})
+    finding = explain(ME, 0, {1: _seen(FROZEN), 2: _seen(BEATING), 3: _seen(BEATING, collectives=3)})
     assert finding.silent_ranks == (1, 3)
     assert "rank 1 stopped answering" in finding.account and "; rank 3 is alive but" in finding.account
 
 
+def test_a_rank_whose_peers_gave_up_on_it_names_itself_when_it_comes_back():
+    me = Heartbeat(beat=9, step=4, collectives=3, state=PEER_FAILED)  # slept past the timeout in step 4
+    gave_up = {1: _seen(FROZEN, state=PEER_FAILED), 2: _seen(FROZEN, state=PEER_FAILED, step=4, collectives=5)}
+    finding = explain(me, 0, gave_up)
+    assert finding.silent_ranks == (0,)
+    assert finding.account.startswith("this rank is the one its peers waited for: rank(s) [1, 2] gave up on it "
+                                      "further on than where it is (in step 4, 3 operations into it)"), finding.account
+    assert explain(ME, 0, gave_up).silent_ranks == ()  # as far as they are: not the one
+
+
 def test_a_peer_counts_as_behind_against_the_furthest_waiting_rank_not_only_this_one():
     me = Heartbeat(beat=9, step=4, collectives=5, state=PEER_FAILED)  # failed at once: the others got further
-    finding = explain(me, {1: _seen(BEATING, collectives=12), 2: _seen(BEATING, collectives=8)})
+    finding = explain(me, 0, {1: _seen(BEATING, collectives=12), 2: _seen(BEATING, collectives=8)})
     assert finding.silent_ranks == (2,) and "the furthest rank in step 4, 12 operations" in finding.account
 
 
@@ -77,7 +87,7 @@ def test_a_peer_counts_as_behind_against_the_furthest_waiting_rank_not_only_this
      "which rank did not answer cannot be known: every peer is alive"),
 ])
 def test_it_says_when_the_rank_cannot_be_known(sightings, words):
-    finding = explain(ME, sightings)
+    finding = explain(ME, 0, sightings)
     assert finding.silent_ranks == () and finding.account.startswith(words), finding.account
 
 
@@ -97,7 +107,7 @@ def test_a_store_that_does_not_answer_or_fails_is_given_up_and_said_so(monkeypat
     with pytest.raises(StoreSilent, match=r"^did not answer within 0\.3 s either$") as silent:
         observe(FrozenStore(), [1], window=0.1)
     released.set()
-    finding = explain(ME, None, str(silent.value))
+    finding = explain(ME, 0, None, str(silent.value))
     assert finding.silent_ranks == () and finding.account.startswith(
         "which rank did not answer cannot be known: the rendezvous store did not answer within 0.3 s either"), finding
     with pytest.raises(StoreSilent, match=r"^failed: RuntimeError: Connection reset by peer$"):

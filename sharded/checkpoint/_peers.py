@@ -81,7 +81,7 @@ def detect_peer_failure() -> Iterator[PeerWatch]:
     _active = watch = PeerWatch(publisher)
     try:
         yield watch
-    except Exception as error:
+    except BaseException as error:  # KeyboardInterrupt and SystemExit too: peers are told this rank raised
         cause = peers.peer_failure_in(error, stop_at=PeerFailure)
         if cause is None:
             publisher.finish(RAISED, f"{type(error).__name__}: {_first_line(error)}"[:300])
@@ -101,14 +101,15 @@ def _explained(publisher: HeartbeatPublisher, cause: BaseException, timeout: Opt
     try:
         sightings = observe(peers.rendezvous_store(), [r for r in range(world) if r != rank],
                             BEATS_OBSERVED * beat_seconds(timeout))
-        finding = explain(me, sightings)
+        finding = explain(me, rank, sightings)
     except StoreSilent as trouble:
-        finding = explain(me, None, str(trouble))
+        finding = explain(me, rank, None, str(trouble))
     seconds = "" if timeout is None else f" of {timeout.total_seconds():g} s"
     waited = "waited" if peers.is_timeout(cause) else "was"
     step = ("in an unknown step (call begin_step(step) on what detect_peer_failure() yields to have it named)"
             if me.step is None else f"in step {me.step}")
-    culprit = f"rank {', '.join(map(str, finding.silent_ranks))}" if finding.silent_ranks else "a peer"
+    culprit = {0: "a peer", 1: "rank"}.get(len(finding.silent_ranks), "ranks") + "".join(
+        f"{',' if i else ''} {r}" for i, r in enumerate(finding.silent_ranks))
     message = (
         f"{finding.account}. This rank {waited} in a collective {step} when it failed: {_first_line(cause)}. "
         f"The process group's timeout{seconds} (init_process_group(timeout=...)) bounds "

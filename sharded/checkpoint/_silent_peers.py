@@ -80,9 +80,11 @@ def _read(store: dist.Store, ranks: list[int]) -> dict[int, Optional[Heartbeat]]
             for r in ranks}
 
 
-def explain(me: Heartbeat, sightings: Optional[dict[int, Sighting]], store_trouble: str = "") -> Finding:
+def explain(me: Heartbeat, my_rank: int, sightings: Optional[dict[int, Sighting]], store_trouble: str = ""
+            ) -> Finding:
     """Who this rank's failed collective waited for, given its own record and its peers'
-    (``None``: the store could not be read, for the reason ``store_trouble``)."""
+    (``None``: the store could not be read, for the reason ``store_trouble``). That may be this
+    rank itself: stuck long enough for its peers to give up on it, it fails when it comes back."""
     if sightings is None:
         return Finding((), (
             f"which rank did not answer cannot be known: the rendezvous store {store_trouble} (where a rank's "
@@ -93,6 +95,12 @@ def explain(me: Heartbeat, sightings: Optional[dict[int, Sighting]], store_troub
     named = {rank: why for rank, why in blamed.items() if why}
     if named:
         return Finding(tuple(named), "; ".join(named.values()))
+    gave_up = [rank for rank, s in sorted(sightings.items()) if s.last and s.last.state == PEER_FAILED
+               and _behind(me, s.last)]
+    if gave_up:
+        return Finding((my_rank,), (
+            f"this rank is the one its peers waited for: rank(s) {gave_up} gave up on it further on than where it "
+            f"is ({_in_step(me)}, {me.collectives} operations into it): it was busy elsewhere longer than the timeout"))
     unheard = [rank for rank, s in sightings.items() if s.last is None]
     if unheard:
         return Finding((), (
