@@ -16,9 +16,10 @@ Checkpoints are sharded (``sharded.checkpoint``, on torch.distributed.checkpoint
 ``--save-every`` steps and after the last (``--save-every 0``: after the last only) each rank
 writes what it holds to ``<out>/checkpoints/stage-S/step-N``, which appears atomically once
 complete. ``--resume`` continues from the latest complete one, at any number of ranks. If a rank
-dies, the others stop within ``--timeout`` seconds; under ``torchrun --max-restarts N`` the job
-restarts and resumes, ending exactly where an uninterrupted run ends (the batches of a step
-depend only on the step and the rank).
+dies or stops answering (``--crash-at`` / ``--freeze-at`` show it), the others stop within
+``--timeout`` seconds (plus a few to tell which rank) with an error naming it and the step;
+under ``torchrun --max-restarts N`` the job restarts and resumes, ending exactly where an
+uninterrupted run ends (the batches of a step depend only on the step and the rank).
 
 ``--invariant --micro-batches M`` trains the same bits at any number of ranks that divides ``M``
 (``sharded.invariant.MicroBatches``; ``M`` a power of two): ``--batch`` is then the global batch, ``M``
@@ -135,7 +136,7 @@ def autocast(args, device):
     return torch.autocast(device.type, dtype=torch.bfloat16 if args.amp == "bf16" else torch.float16)
 
 
-def train_stage(stage: str, args, device, train: torch.Tensor, val: torch.Tensor) -> dict:
+def train_stage(stage: str, args, device, train: torch.Tensor, val: torch.Tensor, peers: checkpoint.PeerWatch) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     peak_meter = DataPeak()
     torch.manual_seed(0)
@@ -151,7 +152,8 @@ def train_stage(stage: str, args, device, train: torch.Tensor, val: torch.Tensor
     peak: Optional[int] = None
     tick = time.perf_counter()
     for step in range(start, args.steps):
-        crash_if_asked(step, args.crash_at)
+        peers.begin_step(step)  # a PeerFailure names the step, and the rank that stopped answering
+        fail_if_asked(step, args)
         optimizer.zero_grad()
         if micro_batches is None:
             losses = accumulated_backward(step, wrapped, scaler, train, args, device)
@@ -258,12 +260,17 @@ def resume(root: Path, model: nn.Module, optimizer, scaler) -> int:
     return state["step"]
 
 
-def crash_if_asked(step: int, crash_at: Optional[int]) -> None:
-    """``--crash-at``: rank 1 kills itself at that step, on the job's first attempt only, to show
-    (and test) that a restarted job resumes and ends where an uninterrupted one does."""
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    if step == crash_at and dist.get_rank() == 1 and first_attempt:
+def fail_if_asked(step: int, args) -> None:
+    """``--crash-at`` / ``--freeze-at``: rank 1 kills (SIGKILL) or freezes (SIGSTOP) itself at the
+    start of that step, on the job's first attempt only, to show (and test) that the others stop
+    with an error naming it and that a restarted job resumes and ends where an uninterrupted one does."""
+    if dist.get_rank() != 1 or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    if step == args.crash_at:
         os.kill(os.getpid(), signal.SIGKILL)
+    if step == args.freeze_at:
+        print(f"rank 1 freezes (SIGSTOP) at step {step} at {time.time():.3f}", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def held_bytes(tensors) -> int:
@@ -371,6 +378,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=300,
                         help="seconds a collective waits for a peer before failing (a dead rank is noticed within it)")
     parser.add_argument("--crash-at", type=int, default=None, help="rank 1 dies (SIGKILL) at this step, once")
+    parser.add_argument("--freeze-at", type=int, default=None, help="rank 1 freezes (SIGSTOP) at this step, once")
     parser.add_argument("--out", default="demo_out")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=128)
@@ -412,8 +420,8 @@ def main() -> None:
     if dist.get_rank() == 0:
         print(f"{len(train):,} training / {len(val):,} validation bytes of the standard library; "
               f"{dist.get_world_size()} ranks on {device.type}")
-    with checkpoint.detect_peer_failure():  # a dead peer: a clear error instead of a backend one
-        results = {stage: train_stage(stage, args, device, train, val) for stage in args.stage.split(",")}
+    with checkpoint.detect_peer_failure() as peers:  # a dead or silent peer: an error naming it, not a backend one
+        results = {stage: train_stage(stage, args, device, train, val, peers) for stage in args.stage.split(",")}
     if dist.get_rank() == 0:
         report(results, Path(args.out), args)
     dist.destroy_process_group()

@@ -5,8 +5,9 @@ Each launch trains ZeRO-2 for a step and saves a checkpoint, in a process group 
 is a few seconds (as a user passes it to ``init_process_group``). In the next step the last rank
 fails: SIGKILL during backward, SIGSTOP during backward (a hung peer: only
 the timeout can tell), or SIGKILL inside a save, after writing its data but before the index.
-Every other rank must raise :class:`PeerFailure` naming itself; the harness fails any rank still
-running a few seconds later, so a hang fails the test. Then the latest checkpoint must be the
+Every other rank must raise :class:`PeerFailure` naming itself, the failed rank (its heartbeat
+stopped; tests/test_silent_rank.py covers the other ways a rank stops answering) and the step;
+the harness fails any rank still running a few seconds later, so a hang fails the test. Then the latest checkpoint must be the
 last complete one, and it must load (in this one process, which resharding allows, to spare a
 launch) and hold what was saved. There is no world-1 case: a peer is needed.
 """
@@ -64,13 +65,15 @@ def _train_until_a_rank_fails(rank, world, store_path, root, scenario):
     """Step 1 and its checkpoint complete; the last rank fails in step 2 or in its checkpoint."""
     _regroup(rank, world, store_path)
     model, wrapped, optimizer = build("zero2")
-    with checkpoint.detect_peer_failure():
+    with checkpoint.detect_peer_failure() as peers:
+        peers.begin_step(0)
         train(wrapped, optimizer, rank, 1)
         save_with_reference(wrapped, optimizer, root / "step-1", rank)
         if rank == world - 1 and scenario == "killed-while-saving":
             _fail_inside_the_next_save()
         elif rank == world - 1:
             _fail_during_backward(model, signal.SIGKILL if scenario == "killed-in-backward" else signal.SIGSTOP)
+        peers.begin_step(1)
         train(wrapped, optimizer, rank, 1, first=1)
         checkpoint.save(checkpoint.get_state_dict(wrapped, optimizer), root / "step-2")
         train(wrapped, optimizer, rank, 1, first=2)
@@ -100,7 +103,8 @@ def test_a_dead_or_hung_rank_stops_the_others_and_leaves_the_last_checkpoint(tmp
     report = str(failure.value)
     assert SCENARIOS[scenario] in report, report
     for rank in range(world_size - 1):
-        assert re.search(rf"rank {rank} error:[\s\S]*PeerFailure: rank {rank}: a peer rank failed", report), report
+        named = rf"PeerFailure: rank {rank}: rank {world_size - 1} stopped answering: [^\n]*last seen in step 1\. "
+        assert re.search(rf"rank {rank} error:[\s\S]*{named}This rank [^\n]* in step 1 ", report), report
     assert checkpoint.latest_checkpoint(root) == root / "step-1"
     assert (root / ".step-2.partial").is_dir() == (scenario == "killed-while-saving")
     _assert_resumes_from(root / "step-1")

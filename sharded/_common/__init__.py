@@ -2,6 +2,8 @@
 
 - :mod:`.comm`: the collectives, the one home of backend quirks (gloo's missing ops, the renamed
   ``*_into_tensor`` calls, object transfer without object collectives).
+- :mod:`.peers`: what the backend tells about peers (which errors mean one failed, the
+  process group's timeout, the operations issued) and the rendezvous store.
 - :mod:`.errors`: the rank prefix every error message starts with (the global rank).
 - :mod:`.dtensors`: DTensors told apart and gathered without importing DTensor; the one full
   model state dict.

@@ -32,20 +32,21 @@ Modules: ``_state_dict`` (the sharded and full forms of a model's and its optimi
 ``_names`` (FQNs, and optimizer state between torch's numbered form and FQN keys), ``_save``
 (atomic publish), ``_load`` (validated first, then all or nothing), ``_storage`` (the allow-listed,
 verifying reader: the only place a checkpoint is read), ``_fit_checks`` (does it fit: the errors),
-``_peers`` (a lost rank), ``_ranks``, ``_paths``, ``_placeholders``.
+``_peers`` (a lost or silent rank, told by ``_heartbeat`` and ``_silent_peers``), ``_ranks``, ``_paths``, ``_placeholders``.
 """
 
 from __future__ import annotations
 
 from ._fit_checks import CheckpointError
 from ._load import load
-from ._peers import PeerFailure, detect_peer_failure
+from ._peers import PeerFailure, PeerWatch, detect_peer_failure
 from ._save import latest_checkpoint, save
 from ._state_dict import get_state_dict, set_state_dict
 
 __all__ = [
     "CheckpointError",
     "PeerFailure",
+    "PeerWatch",
     "detect_peer_failure",
     "get_state_dict",
     "latest_checkpoint",
