@@ -101,7 +101,7 @@ def owner_meshes(info: MeshInfo) -> tuple[DeviceMesh, ...]:
     if key not in _meshes:
         meshes = tuple(DeviceMesh(info.mesh.device_type, ranks[:, k].tolist(), mesh_dim_names=("owner",)) for k in range(info.shard_world))
         for mesh in meshes:
-            register_whole_on(mesh, info.shard_group)
+            register_whole_on(mesh, info.shard_group, info.mesh)
         _meshes[key] = meshes
     return _meshes[key]
 
