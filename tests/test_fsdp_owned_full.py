@@ -9,7 +9,8 @@ bit for bit (``torch.equal``): the two models start from the same weights and tr
 that are the same on every rank, so every gradient is the same sum of equal terms in any order,
 and AdamW / SGD, element-wise, step both to the same bits at worlds 2 and 3. At world 2 the
 owners come from ``Owned()`` (one is rank 1); at world 3 they are explicit and rank 0 owns
-nothing.
+nothing. Muon, which only owned matrices can take, is compared with ``sharded.checkpoint``'s full
+form instead, another route to the same state.
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def _train(model: nn.Module, optimizers: list[torch.optim.Optimizer], steps: ran
 
 
 def _owned_names(model: nn.Module) -> list[str]:
-    return [n for n, p in model.named_parameters() if p.device_mesh.size() == 1 and p.ndim == 2]
+    """The owner-placed matrices: replicated on their owner mesh (element-sharded ones are cut)."""
+    return [n for n, p in model.named_parameters() if p.ndim == 2 and all(pl.is_replicate() for pl in p.placements)]
 
 
 def _assert_equal(ours, theirs, what: str) -> None:
@@ -160,10 +162,12 @@ def _check_torch_state_dicts(owned: nn.Module, ours: list, cut: nn.Module, their
         _assert_equal(optim[0], optim[1], f"get_optimizer_state_dict, {what}")
         _assert_equal(list(both[0]), list(both[1]), f"get_state_dict, {what}")
         assert all(model[0][n].numel() for n in _owned_names(owned)), "owned weights written"
+    flat = [get_optimizer_state_dict(m, o, options=_full_options(False, flatten_optimizer_state_dict=True)) for m, o in ((owned, ours), (cut, theirs))]
+    _assert_equal(flat[0], flat[1], "get_optimizer_state_dict, flatten_optimizer_state_dict=True")
     return {"model": model[1], "optim": optim[1]}
 
 
-def _check_set_back(full: dict, cut: nn.Module, theirs: list, world: int, rank: int) -> None:
+def _check_set_back(full: dict, cut: nn.Module, theirs: list, world: int, rank: int, build=None) -> None:
     """torch's ``set_model_state_dict`` / ``set_optimizer_state_dict`` from the element-sharded
     model's full state dicts into a new owned model (owners may differ from the first), from
     every rank's copy and broadcast from rank 0's: its full state dicts are those loaded, ranks
@@ -174,7 +178,7 @@ def _check_set_back(full: dict, cut: nn.Module, theirs: list, world: int, rank: 
     )
 
     for broadcast in (False, True):
-        owned = _sharded(world, owned=True)
+        owned = build() if build is not None else _sharded(world, owned=True)
         ours = _optimizers(owned)
         # a copy, as if read from a file: torch's get keeps plain tensors (AdamW's step) as they
         # are and its set adopts them, so two optimizers would step one shared step count
@@ -216,6 +220,30 @@ def _check_summon_and_wrapper(owned: nn.Module, cut: nn.Module, world: int) -> N
     _assert_equal(wrapped[0].state_dict(), wrapped[1].state_dict(), "FullyShardedDataParallel.state_dict()")
 
 
+def _check_muon_state(world: int, rank: int) -> None:
+    """Muon, which only owned matrices can take: torch's full optimizer state dict is
+    ``sharded.checkpoint``'s full form (another route, gathered from the owners), and loading it
+    back into a fresh Muon (torch first steps it at ``lr=0``, on ranks owning none of its
+    matrices too) leaves each rank only its own matrices' state."""
+    from sharded import checkpoint
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    model = _sharded(world, owned=True)
+    muon = torch.optim.Muon([p for p in model.parameters() if p.ndim == 2], lr=0.02)
+    _train(model, [muon], range(2))
+    ours = get_optimizer_state_dict(model, muon, options=_full_options(True))
+    reference = checkpoint.get_state_dict(model, muon, full=True)
+    if rank == 0:
+        names = ours["param_groups"][0]["params"]
+        _assert_equal({names[i]: s for i, s in reference["optim"]["state"].items()}, ours["state"], "Muon's full state")
+    fresh = torch.optim.Muon([p for p in model.parameters() if p.ndim == 2], lr=0.02)
+    set_optimizer_state_dict(model, fresh, ours, options=_full_options(False, broadcast_from_rank0=True))
+    held = [p for p in fresh.param_groups[0]["params"] if p.to_local().numel()]
+    assert list(fresh.state) == held, "Muon's state of the matrices this rank owns, and of no other"
+    for p in held:
+        _assert_equal(fresh.state[p]["momentum_buffer"].to_local(), muon.state[p]["momentum_buffer"].to_local(), "Muon's loaded momentum")
+
+
 def _check_every_route(rank: int, world: int) -> None:
     owned, cut = _sharded(world, owned=True), _sharded(world, owned=False)
     assert len(_owned_names(owned)) == 3
@@ -235,8 +263,47 @@ def _check_every_route(rank: int, world: int) -> None:
     full = _check_torch_state_dicts(owned, ours, cut, theirs, rank)
     _check_summon_and_wrapper(owned, cut, world)
     _check_set_back(full, cut, theirs, world, rank)
+    _check_muon_state(world, rank)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_owned_parameters_come_whole_through_every_full_route_as_element_sharded_ones(world_size):
     run_on_ranks(_check_every_route, world_size, timeout=180)
+
+
+# ---------------------------------------------------------------------- hybrid sharding
+
+
+def _check_hybrid(rank: int, world: int) -> None:
+    """A ``(replicate 2, shard 2)`` mesh: each replica row has its owner of each matrix; the
+    whole tensors, torch's full model and optimizer state dicts and a load back are the
+    element-sharded model's."""
+    from sharded.fsdp._placement.mesh import hybrid_mesh
+
+    mesh = hybrid_mesh(2)
+    models = []
+    for owned in (True, False):
+        model = _model()
+        fully_shard(model, mesh=mesh, shard_placement_fn=(lambda p: Owned() if p.ndim == 2 else None) if owned else None)
+        models.append(model)
+    owned, cut = models
+    assert all(p.device_mesh.ndim == 1 and p.device_mesh.size() == 2 for n, p in owned.named_parameters() if p.ndim == 2), "an owner per row"
+    ours, theirs = _optimizers(owned), _optimizers(cut)
+    _train(owned, ours, range(2))
+    _train(cut, theirs, range(2))
+    for (name, p), q in zip(owned.named_parameters(), cut.parameters()):
+        _assert_equal(p.full_tensor(), q.full_tensor(), f"hybrid: {name}.full_tensor()")
+        _assert_equal(p.redistribute(q.device_mesh, [Replicate(), Shard(0)]).to_local(), q.to_local(), f"hybrid: {name} cut as the element-sharded one")
+    full = _check_torch_full(cut, theirs)
+    _assert_equal(_check_torch_full(owned, ours), full, "hybrid: torch's full state dicts")
+    _check_set_back(full, cut, theirs, world, rank, lambda: _hybrid_owned(mesh))
+
+
+def _hybrid_owned(mesh) -> nn.Sequential:
+    model = _model()
+    fully_shard(model, mesh=mesh, shard_placement_fn=lambda p: Owned() if p.ndim == 2 else None)
+    return model
+
+
+def test_hybrid_sharding_gives_owned_parameters_whole_as_element_sharded_ones():
+    run_on_ranks(_check_hybrid, 4, timeout=180)
