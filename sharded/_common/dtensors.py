@@ -5,7 +5,8 @@ it; and the one producer of a model's full state dict built on that.
 A DTensor normally has a piece on every rank of its mesh. One on a mesh of fewer ranks that hold
 it whole (layer 3's owner placement, ``sharded.fsdp.Owned``) is gathered differently: its holders
 registered their mesh here (:func:`register_whole_on`) with the group of ranks that share the
-tensor, and the holder in that group broadcasts it to the others.
+tensor and the mesh of all those ranks, and the holder in that group broadcasts it to the others
+(:func:`whole_from_holder`).
 
 A full state dict is ``module.state_dict()`` with every DTensor gathered whole. The FSDP1
 wrapper's ``state_dict()``, ``sharded.checkpoint.get_state_dict(full=True)`` and Lightning's full
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import sys
+from dataclasses import dataclass
 from typing import Any, Optional, cast
 
 import torch
@@ -28,11 +30,22 @@ from .errors import process_rank
 
 __all__ = [
     "full_copy", "full_model_state_dict", "full_tensor_of", "held_here", "is_dtensor", "local_tensor_of", "register_whole_on",
-    "whole_on_group",
+    "shared_mesh_of", "whole_from_holder", "whole_on_group",
 ]
 
-# id(mesh) -> (the mesh, the group of ranks that share the DTensors held whole on it)
-_whole_on: dict[int, tuple[Any, comm.ProcessGroup]] = {}
+
+@dataclass(frozen=True)
+class _Sharing:
+    """Who shares the DTensors held whole on one mesh: the group the holder broadcasts over, and
+    the mesh of every rank that shares them."""
+
+    holders: Any  # the DeviceMesh the DTensors live on
+    group: comm.ProcessGroup
+    shared_mesh: Any
+
+
+# id(mesh) -> how the DTensors held whole on it are shared
+_whole_on: dict[int, _Sharing] = {}
 
 
 def is_dtensor(value: Any) -> bool:
@@ -47,19 +60,33 @@ def local_tensor_of(tensor: torch.Tensor) -> torch.Tensor:
     return cast(torch.Tensor, tensor.to_local()) if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
 
 
-def register_whole_on(mesh: Any, group: comm.ProcessGroup) -> None:
+def register_whole_on(mesh: Any, group: comm.ProcessGroup, shared_mesh: Any) -> None:
     """DTensors on ``mesh`` are held whole by its ranks, and shared by the ranks of ``group``
-    (which holds one of them): :func:`full_tensor_of` broadcasts them over ``group``."""
-    _whole_on[id(mesh)] = (mesh, group)
+    (which holds one of them): :func:`full_tensor_of` broadcasts them over ``group``.
+    ``shared_mesh`` is the mesh of every rank that shares them (the unit's mesh; on a hybrid one,
+    each replica row's ``group`` has its own holder)."""
+    _whole_on[id(mesh)] = _Sharing(mesh, group, shared_mesh)
+
+
+def _sharing(value: Any) -> Optional[_Sharing]:
+    if not is_dtensor(value):
+        return None
+    entry = _whole_on.get(id(value.device_mesh))
+    return entry if entry is not None and entry.holders is value.device_mesh else None
 
 
 def whole_on_group(value: Any) -> Optional[comm.ProcessGroup]:
     """For a DTensor held whole by the ranks of its mesh (:func:`register_whole_on`), the group
     that shares it; ``None`` for anything else."""
-    if not is_dtensor(value):
-        return None
-    entry = _whole_on.get(id(value.device_mesh))
-    return entry[1] if entry is not None and entry[0] is value.device_mesh else None
+    entry = _sharing(value)
+    return entry.group if entry is not None else None
+
+
+def shared_mesh_of(value: Any) -> Optional[Any]:
+    """For a DTensor held whole by the ranks of its mesh, the mesh of every rank that shares it;
+    ``None`` for anything else."""
+    entry = _sharing(value)
+    return entry.shared_mesh if entry is not None else None
 
 
 def held_here(value: Any) -> bool:
@@ -80,13 +107,13 @@ def full_tensor_of(value: Any) -> Any:
         value = value.to(mesh_device)
     group = whole_on_group(value)
     if group is not None:
-        return _broadcast_from_holder(value, group)
+        return whole_from_holder(value, group)
     return value.full_tensor()
 
 
-def _broadcast_from_holder(value: Any, group: comm.ProcessGroup) -> torch.Tensor:
-    """A fresh copy of ``value`` (held whole by the ranks of its mesh) on every rank of ``group``,
-    from the holder in ``group``."""
+def whole_from_holder(value: Any, group: comm.ProcessGroup) -> torch.Tensor:
+    """Collective over ``group``: a fresh copy of ``value`` (held whole by the ranks of its mesh)
+    on every rank of ``group``, from the holder in ``group``."""
     holders = set(int(r) for r in value.device_mesh.mesh.flatten().tolist())
     members = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     source = next(i for i, r in enumerate(members) if r in holders)

@@ -93,6 +93,8 @@ class FSDP1Options:
         ignored_modules: modules whose parameters stay unsharded and unsynchronised.
         param_init_fn: materialises meta-device submodules; ``None``: ``reset_parameters()``.
         sync_module_states: whether every rank starts from rank 0's parameters and buffers.
+        shard_placement_fn: ``fully_shard``'s, for every unit: how each parameter is placed
+            (``None`` / ``Shard(dim)`` / ``sharded.fsdp.Owned()``); ``None``: all cut on dim 0.
     """
 
     strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
@@ -106,6 +108,7 @@ class FSDP1Options:
     ignored_modules: tuple[nn.Module, ...] = ()
     param_init_fn: Optional[Callable[[nn.Module], None]] = None
     sync_module_states: bool = False
+    shard_placement_fn: Optional[Callable[[nn.Parameter], Any]] = None
 
     @property
     def hybrid(self) -> bool:
@@ -156,6 +159,7 @@ def fsdp1_options(
     move_params_to_cpu: bool = False,
     compute_dtype: Optional[torch.dtype] = None,
     fp32_reduce_scatter: bool = False,
+    shard_placement_fn: Optional[Callable[[nn.Parameter], Any]] = None,
 ) -> FSDP1Options:
     """One :class:`FSDP1Options` from ``FullyShardedDataParallel``'s arguments in any dialect.
 
@@ -182,6 +186,7 @@ def fsdp1_options(
         ignored_modules=tuple(ignored_modules or ()),
         param_init_fn=param_init_fn,
         sync_module_states=sync_module_states,
+        shard_placement_fn=shard_placement_fn,
     )
 
 

@@ -98,6 +98,10 @@ class FullyShardedDataParallel(nn.Module):
         forward_prefetch, limit_all_gathers, use_orig_params, flatten_parameters (fairscale): accepted for compatibility; the
             next unit is always prefetched in forward, at most one unit ahead, and parameters
             are always the original ones.
+        shard_placement_fn: ``fully_shard``'s, for every unit (beyond torch's FSDP1): ``param ->
+            None | Shard(dim) | sharded.fsdp.Owned()``, e.g. ``lambda p: Owned() if p.ndim == 2
+            else None`` to keep each matrix whole on one rank for a whole-matrix optimizer
+            (Muon); full state dicts and ``summon_full_params`` give such parameters whole.
         reshard_after_forward, move_params_to_cpu, compute_dtype, fp32_reduce_scatter, and
             ``mixed_precision=True``: fairscale's spellings of ``SHARD_GRAD_OP`` (when
             ``False``), ``CPUOffload`` and ``MixedPrecision(compute_dtype or fp16, fp32 or the
@@ -128,6 +132,7 @@ class FullyShardedDataParallel(nn.Module):
         compute_dtype: Optional[torch.dtype] = None,
         fp32_reduce_scatter: bool = False,
         flatten_parameters: bool = True,
+        shard_placement_fn: Optional[Callable[[nn.Parameter], Any]] = None,
     ) -> None:
         super().__init__()
         options = fsdp1_options(
@@ -148,6 +153,7 @@ class FullyShardedDataParallel(nn.Module):
             move_params_to_cpu=move_params_to_cpu,
             compute_dtype=compute_dtype,
             fp32_reduce_scatter=fp32_reduce_scatter,
+            shard_placement_fn=shard_placement_fn,
         )
         mesh = _mesh_for(options)
         device = options.device if options.device is not None else MeshInfo(mesh).device
@@ -294,6 +300,7 @@ def _shard_units(module: nn.Module, options: FSDP1Options, mesh: DeviceMesh, dev
             mp_policy=options.mp_policy(root=sub is module),
             offload_policy=options.offload_policy,
             ignored_params=_own(sub, ignored),
+            shard_placement_fn=options.shard_placement_fn,
         )
     for unit in units_under(module):
         unit.settings.backward_prefetch_timing = options.backward_prefetch

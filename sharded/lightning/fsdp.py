@@ -79,7 +79,9 @@ class ShardedFSDPStrategy(ShardedPrecisionPlugin, DDPStrategy):
             earlier one of the same name, only once complete, and loads without running code
             from it. Both resume at any world size.
         **kwargs: ``sharded.FullyShardedDataParallel``'s other arguments (``device_mesh``,
-            ``param_init_fn``, ``ignored_modules``, ``backward_prefetch``...), and
+            ``param_init_fn``, ``ignored_modules``, ``backward_prefetch``,
+            ``shard_placement_fn``: ``lambda p: Owned() if p.ndim == 2 else None`` keeps each
+            matrix whole on one rank for Muon, and full checkpoints hold it whole...), and
             ``start_method`` as for ``DDPStrategy``.
     """
 

@@ -11,7 +11,9 @@ At rest the parameter is a DTensor on the *owner mesh*: a 1-D mesh over the rank
 whole, ``Replicate()`` on it (one rank for a 1-D shard mesh; on a hybrid ``(replicate, shard)``
 mesh, the owner in each replica row). Every rank sees its global shape; on the owner its local
 tensor is the whole value, elsewhere it is empty, and DTensor runs any op on it (an optimizer
-step included) as a no-op on the ranks outside the mesh. ``torch.distributed.checkpoint``
+step included) as a no-op on the ranks outside the mesh; asked for whole (``full_tensor()``, a
+full state dict), it comes whole on every rank (``.._torch_whole``, ``.._torch_state_dict``).
+``torch.distributed.checkpoint``
 writes it once, from the owner, as one chunk covering the whole tensor, so it loads into any
 other layout (element-sharded, another owner, DDP) and back.
 
@@ -101,7 +103,7 @@ def owner_meshes(info: MeshInfo) -> tuple[DeviceMesh, ...]:
     if key not in _meshes:
         meshes = tuple(DeviceMesh(info.mesh.device_type, ranks[:, k].tolist(), mesh_dim_names=("owner",)) for k in range(info.shard_world))
         for mesh in meshes:
-            register_whole_on(mesh, info.shard_group)
+            register_whole_on(mesh, info.shard_group, info.mesh)
         _meshes[key] = meshes
     return _meshes[key]
 
