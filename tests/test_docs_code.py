@@ -159,3 +159,13 @@ def test_runnable_examples_compile(block):
     """A syntax error shows here at once, named, before any launch."""
     for text in (block.sections.get("setup", ""), block.code, block.sections.get("check", "")):
         compile(text, block.where, "exec")
+
+
+def test_readme_links_point_at_files_that_exist():
+    """README.md is read on GitHub, outside the site's own link check (make docs)."""
+    readme = ROOT / "README.md"
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", readme.read_text())
+    local = [link for link in links if "://" not in link]
+    assert local, "README.md links into the docs"
+    missing = [link for link in local if not (ROOT / link).exists()]
+    assert not missing, f"README.md links to missing files: {missing}"
