@@ -29,7 +29,7 @@ extensions = [
     "sphinxarg.ext",
 ]
 source_suffix = {".md": "markdown"}
-exclude_patterns = ["_build", "README.md"]
+exclude_patterns = ["_build"]
 root_doc = "index"
 
 myst_heading_anchors = 4
