@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: test demo bench gpu-check clean
+.PHONY: test demo bench gpu-check docs docs-check package-check clean
 
 .PHONY: FORCE
 # The torch spec the venv was built with, rewritten only when TORCH_SPEC differs from it, so that
@@ -78,5 +78,39 @@ gpu-check: $(if $(filter $(BIN)/python,$(GPU_PYTHON)),$(VENV)/.installed)
 		SHARDED_TEST_DEVICE=$$device $(GPU_PYTHON) -m pytest -p no:cacheprovider -q -rs --junitxml=gpu_out/device_tests.xml $$tests
 	MALLOC_MMAP_THRESHOLD_=65536 $(GPU_PYTHON) benchmarks/gpu_check.py --out gpu_out --device-tests gpu_out/device_tests.xml
 
+# The docs site (docs/, Sphinx + MyST): HTML in docs/_build/html, every warning an error (a
+# broken cross-reference, a page left out of the navigation, a docstring that does not parse);
+# then every internal link and anchor of the built site is followed (docs/check_site.py links).
+$(VENV)/.docs-installed: $(VENV)/.installed setup.cfg
+	$(BIN)/pip install --quiet "$(TORCH_SPEC)" -e '.[docs]'
+	touch $@
+
+docs: $(VENV)/.docs-installed
+	rm -rf docs/_build
+	$(BIN)/sphinx-build -W --keep-going -q -b html docs docs/_build/html
+	$(BIN)/python docs/check_site.py links docs/_build/html
+
+# The built site in a real browser (Debian's chromium, headless): the index, a guide and an API
+# page render with their navigation, and the search page finds a public name; screenshots in
+# docs/_build/screens. Needs `apt-get install chromium`.
+docs-check: docs
+	$(BIN)/python docs/check_site.py browser docs/_build/html --screens docs/_build/screens
+
+# The package as a user gets it: an sdist and a wheel (python -m build), their metadata checked
+# (twine check --strict), the wheel installed into a fresh venv holding only torch, and the three
+# layers imported there, from outside the source tree.
+PACKAGE_VENV := build/package-venv
+$(VENV)/.package-installed: $(VENV)/.installed setup.cfg
+	$(BIN)/pip install --quiet "$(TORCH_SPEC)" -e '.[package]'
+	touch $@
+
+package-check: $(VENV)/.package-installed
+	rm -rf dist $(PACKAGE_VENV)
+	$(BIN)/python -m build --outdir dist .
+	$(BIN)/twine check --strict dist/*
+	$(PYTHON) -m venv $(PACKAGE_VENV)
+	$(PACKAGE_VENV)/bin/pip install --quiet "$(TORCH_SPEC)" dist/*.whl
+	cd / && $(CURDIR)/$(PACKAGE_VENV)/bin/python $(CURDIR)/tests/installed_package.py $(CURDIR)/dist
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build dist docs/_build *.egg-info .pytest_cache

@@ -25,7 +25,7 @@ from ._memory.estimate import MemoryEstimate, estimate_memory
 from ._common.step_cost import newton_schulz_cost
 from .fsdp import __getattr__ as _fsdp_getattr
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "OSS",

@@ -31,7 +31,7 @@ from torch import nn
 
 from ._memory.estimate import STAGE_NAMES, MemoryEstimate, estimate_memory
 
-__all__ = ["plan", "parse_bytes", "main"]
+__all__ = ["plan", "parse_bytes", "build_parser", "main"]
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -117,7 +117,8 @@ def load_factory(spec: str) -> Callable[[], nn.Module]:
     return factory  # type: ignore[return-value]
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command's arguments (the docs site renders its reference from this parser)."""
     parser = argparse.ArgumentParser(prog="python -m sharded.plan", description=__doc__.splitlines()[0])
     parser.add_argument("factory", help="MODULE:FACTORY, a callable returning the model (built on the meta device)")
     parser.add_argument("--world-size", type=int, help="ranks to plan for")
@@ -129,6 +130,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     parser.add_argument("--optimizer", default="Adam", help="a torch.optim class name (default Adam)")
     parser.add_argument("--wrap", default=None, help="MODULE:CLASS of the stage-3 units (default: none but the root)")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m sharded.plan``: print the table of stages that fit, or the account at scale."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     stages = [int(s) for s in args.stages.split(",")]
     bad = [s for s in stages if s not in STAGE_NAMES]

@@ -85,7 +85,7 @@ def test_layers_import_downward_only():
 
 
 def test_every_part_is_placed():
-    """A new top-level module or package gets its place in ``BELOW`` (and in README's Layout)."""
+    """A new top-level module or package gets its place in ``BELOW`` (and in the code layout, docs/guides/layout.md)."""
     parts = {_part(m) for m in _graph()} - {"sharded"}
     assert parts == set(BELOW), f"not placed: {sorted(parts - set(BELOW))}; gone: {sorted(set(BELOW) - parts)}"
 

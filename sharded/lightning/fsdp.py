@@ -54,11 +54,11 @@ class ShardedFSDPStrategy(ShardedPrecisionPlugin, DDPStrategy):
     by the norm over every rank's shards, and ``precision="16-mixed"`` / ``"bf16-mixed"`` run
     under autocast with full-precision shards (``"16-mixed"`` with a ``ShardedGradScaler``),
     exactly as under ``strategy="ddp"``; ``mixed_precision=`` additionally gathers parameters
-    and reduces gradients in a narrower dtype.
+    and reduces gradients in a narrower dtype. ``accelerator``, ``parallel_devices``,
+    ``cluster_environment``, ``checkpoint_io``, ``precision_plugin``, ``process_group_backend``
+    and ``timeout`` are taken as by Lightning's strategies.
 
     Args:
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
-            process_group_backend, timeout: as for Lightning's strategies.
         cpu_offload: ``True`` or ``CPUOffload(offload_params=True)`` (sharded's or torch's) to
             keep shards, gradients and the optimizer step on the CPU.
         mixed_precision: a ``MixedPrecision`` (sharded's or torch FSDP's): the dtypes
