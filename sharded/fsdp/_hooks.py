@@ -17,10 +17,11 @@ walks them.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from .._common.weak_hooks import weak_method_hook
 
@@ -96,17 +97,20 @@ def cast_floats(obj: Any, dtype: torch.dtype) -> Any:
     return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, obj)
 
 
-def watch_input_gradients(callback: Callable[[], None], args: Any, kwargs: Any) -> bool:
+def watch_input_gradients(callback: Callable[[], None], args: Any, kwargs: Any) -> Optional[RemovableHandle]:
     """Call ``callback()`` once backward has computed the gradients of every tensor in
-    ``args``/``kwargs`` that requires grad (the module's own backward is then done); returns
-    whether there was any such tensor. A gradient hook, not an identity function: the inputs stay
-    the tensors they were, so the module may still modify them in place. ``callback`` is a bound
-    method, whose object the hook holds weakly: the graph's hooks are out of the cycle
-    collector's sight (see :mod:`sharded._common.weak_hooks`)."""
+    ``args``/``kwargs`` that requires grad (the module's own backward is then done); returns the
+    hook's handle, or ``None`` if there was no such tensor. A gradient hook, not an identity
+    function: the inputs stay the tensors they were, so the module may still modify them in
+    place. ``callback`` is a bound method, whose object the hook holds weakly: the graph's hooks
+    are out of the cycle collector's sight (see :mod:`sharded._common.weak_hooks`). torch's
+    multi-gradient hook is itself a cycle through the inputs' autograd nodes (its closure holds
+    them, they hold it): remove the handle once the step is over, or the graph waits for a full
+    collection."""
     needing = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
-    if needing:
-        torch.autograd.graph.register_multi_grad_hook(needing, weak_method_hook(callback), mode="all")
-    return bool(needing)
+    if not needing:
+        return None
+    return torch.autograd.graph.register_multi_grad_hook(needing, weak_method_hook(callback), mode="all")
 
 
 def register_pre_backward(callback: Callable[[], None], output: Any) -> None:
@@ -147,6 +151,7 @@ class BackwardTracker:
         self._open_calls = 0  # grad-enabled forward calls whose inputs' gradients are pending
         self._done_at_end = False  # a call had no input needing a gradient
         self._on_done: Callable[[], None] = _nothing  # the watched calls' on_done
+        self._watches: list[RemovableHandle] = []  # their hooks, taken off when the step is over
 
     def watch_forward_call(self, args: Any, kwargs: Any, syncs: bool, on_done: Callable[[], None]) -> None:
         """A grad-enabled forward call with inputs ``args`` / ``kwargs``: call ``on_done()`` when
@@ -154,9 +159,12 @@ class BackwardTracker:
         self.awaiting = True
         self.syncs = syncs
         self._on_done = on_done
-        watched = watch_input_gradients(self._call_done, args, kwargs)
-        self._open_calls += watched
-        self._done_at_end = self._done_at_end or not watched
+        watch = watch_input_gradients(self._call_done, args, kwargs)
+        if watch is not None:
+            self._watches.append(watch)
+            self._open_calls += 1
+        else:
+            self._done_at_end = True
 
     def _call_done(self) -> None:
         if self._open_calls > 0:
@@ -165,10 +173,14 @@ class BackwardTracker:
                 self._on_done()
 
     def reset(self) -> None:
-        """The step is over (or was abandoned): no backward is awaited."""
+        """The step is over (or was abandoned): no backward is awaited. The watches' hooks come
+        off their graphs, which refcounting then frees (see :func:`watch_input_gradients`)."""
         self.awaiting = False
         self._open_calls = 0
         self._done_at_end = False
+        for watch in self._watches:
+            watch.remove()
+        self._watches = []
 
 
 def _nothing() -> None:
