@@ -53,7 +53,7 @@ def _fully_shard(model: nn.Module, owned: bool = False) -> tuple[nn.Module, torc
     from sharded.fsdp import Owned
 
     placement = {"shard_placement_fn": lambda p: Owned() if p.dim() == 2 else None} if owned else {}
-    for layer in model:
+    for layer in model.children():
         if isinstance(layer, nn.Linear):
             fully_shard(layer, **placement)
     fully_shard(model, **placement)
