@@ -147,7 +147,7 @@ def _check_models_are_freed(rank: int, world: int) -> None:
         assert garbage == 0, f"rank {rank}, {stage}: {STEPS} training steps left {garbage} objects in reference cycles"
 
 
-def test_dropped_models_are_freed_at_every_stage():
+def test_dropped_models_are_freed_and_steps_leave_no_cycles_at_every_stage():
     run_on_ranks(_check_models_are_freed, 2, timeout=180)
 
 
