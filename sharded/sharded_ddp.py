@@ -277,11 +277,14 @@ class ShardedDataParallel(nn.Module):
         self._trainability = self._current_trainability()
 
     def remove_hooks(self) -> None:
-        """Take this wrapper's gradient hooks off the module's parameters; the wrapper is done.
+        """Take this wrapper's hooks off the module and its parameters; the wrapper is done.
 
-        The hooks live on the parameters, not on the wrapper, so a wrapper that is dropped while
-        its module lives on (to be trained again, or wrapped anew, as Lightning does after each
-        ``fit``) would keep reducing gradients for no one. Call it when done with the wrapper.
+        The gradient hooks live on the parameters and hold the wrapper's router only weakly:
+        they come off when the wrapper is freed. Call this when done with a wrapper whose module
+        lives on (to be trained again, or wrapped anew, as Lightning does after each ``fit``), so
+        that they come off at once, whoever still refers to the wrapper; with
+        ``overlap_param_broadcast`` it also takes off the modules' waits for broadcasts, which
+        only this call removes.
         """
         self._router.remove_hooks()
         if self._param_waits is not None:

@@ -31,13 +31,14 @@ The router only connects its parts, each with one job:
 from __future__ import annotations
 
 import enum
-import functools
 import time
+import weakref
 from typing import Optional, Sequence, cast
 
 import torch
 
 from .._common import comm
+from .._common.weak_hooks import weak_method_hook
 from .backward_stats import BackwardStats
 from .bucket_index import BucketIndex
 from .grad_checks import GradChecks
@@ -100,15 +101,18 @@ class GradRouter:
         self._pass = Pass(len(self.params), [0] * len(self.buckets), self.rank)
         self._late = LateGradients()
         self._armed_at = 0.0
-        self._hooks = self._register_hooks() if self.world_size > 1 else []  # one rank: nothing to route
+        hooks = self._register_hooks() if self.world_size > 1 else []  # one rank: nothing to route
+        # The hooks hold the router weakly (a strong hold is a cycle torch hides from the
+        # collector: see _common.weak_hooks); a router its wrapper dropped takes them off.
+        self._detach = weakref.finalize(self, _remove_all, hooks)
 
     def _register_hooks(self) -> list:
         return [
             hook
             for index, p in enumerate(self.params)
             for hook in (
-                p.register_hook(functools.partial(self._before_accumulate, index)),
-                p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, index)),
+                p.register_hook(weak_method_hook(self._before_accumulate, index)),
+                p.register_post_accumulate_grad_hook(weak_method_hook(self._on_grad_ready, index)),
             )
         ]
 
@@ -123,10 +127,9 @@ class GradRouter:
         self._held.carry_from(old._held, self.bucket_index.owner_of, self.group)
 
     def remove_hooks(self) -> None:
-        """Detach from the parameters (before a new router replaces this one)."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
+        """Detach from the parameters now (before a new router replaces this one); a router
+        that is freed detaches by itself."""
+        self._detach()
 
     def _name_of(self, index: int) -> str:
         param = self.params[index]
@@ -166,11 +169,11 @@ class GradRouter:
 
     # ------------------------------------------------------------------------- hot path
 
-    def _before_accumulate(self, index: int, incoming: torch.Tensor) -> None:
+    def _before_accumulate(self, index: int) -> None:
         self._held.before_accumulate(index)
 
-    def _on_grad_ready(self, index: int, param: torch.Tensor) -> None:
-        grad = cast(torch.Tensor, param.grad)  # a post-accumulate-grad hook: it is set
+    def _on_grad_ready(self, index: int) -> None:
+        grad = cast(torch.Tensor, self.params[index].grad)  # a post-accumulate-grad hook: it is set
         self._held.after_accumulate(index, synced=self.sync_enabled)
         self._checks.note_arrival(index, grad, raise_now=self.sync_enabled)
         if not self.sync_enabled:
@@ -330,3 +333,8 @@ class GradRouter:
         if not self.bucket_index.from_observed_order:
             self.bucket_index.replan_from(bw.completed_at, self.group)
         self._graph.learn(bw.arrivals, self.group)
+
+
+def _remove_all(handles: list) -> None:
+    for handle in handles:
+        handle.remove()

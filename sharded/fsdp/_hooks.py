@@ -7,16 +7,23 @@
 * Module forward pre/post hooks call the unit around the module's forward.
 * A :class:`BackwardTracker` counts a unit's forward calls whose backward is still to come.
 
+The autograd hooks hold what they call weakly: a unit's state reaches its modules, and the hooks
+sit in dicts of the forward's graph that torch's cycle collector cannot see, so a strong hold
+kept a dropped model alive until up to three collections had peeled the cycles one by one.
+
 Inputs and outputs may be nested tuples, lists and dicts of tensors; :func:`map_tensors`
 walks them.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from .._common.weak_hooks import weak_method_hook
 
 __all__ = [
     "install_forward_hooks",
@@ -90,15 +97,20 @@ def cast_floats(obj: Any, dtype: torch.dtype) -> Any:
     return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, obj)
 
 
-def watch_input_gradients(callback: Callable[[], None], args: Any, kwargs: Any) -> bool:
+def watch_input_gradients(callback: Callable[[], None], args: Any, kwargs: Any) -> Optional[RemovableHandle]:
     """Call ``callback()`` once backward has computed the gradients of every tensor in
-    ``args``/``kwargs`` that requires grad (the module's own backward is then done); returns
-    whether there was any such tensor. A gradient hook, not an identity function: the inputs stay
-    the tensors they were, so the module may still modify them in place."""
+    ``args``/``kwargs`` that requires grad (the module's own backward is then done); returns the
+    hook's handle, or ``None`` if there was no such tensor. A gradient hook, not an identity
+    function: the inputs stay the tensors they were, so the module may still modify them in
+    place. ``callback`` is a bound method, whose object the hook holds weakly: the graph's hooks
+    are out of the cycle collector's sight (see :mod:`sharded._common.weak_hooks`). torch's
+    multi-gradient hook is itself a cycle through the inputs' autograd nodes (its closure holds
+    them, they hold it): remove the handle once the step is over, or the graph waits for a full
+    collection."""
     needing = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
-    if needing:
-        torch.autograd.graph.register_multi_grad_hook(needing, lambda _grads: callback(), mode="all")
-    return bool(needing)
+    if not needing:
+        return None
+    return torch.autograd.graph.register_multi_grad_hook(needing, weak_method_hook(callback), mode="all")
 
 
 def register_pre_backward(callback: Callable[[], None], output: Any) -> None:
@@ -107,7 +119,8 @@ def register_pre_backward(callback: Callable[[], None], output: Any) -> None:
     The hook sits on the tensors' autograd nodes (node pre-hooks), not on the tensors: a tensor
     that leaves one unit and enters the next carries the next unit's input-gradient hook too, and
     the engine runs tensor hooks before node pre-hooks, so the next unit finishes (sends its
-    gradients, frees its parameters) before this one gathers.
+    gradients, frees its parameters) before this one gathers. ``callback`` is a bound method,
+    held weakly, as in :func:`watch_input_gradients`.
     """
     hooked: set[int] = set()
     for tensor in tensors_in(output):
@@ -115,10 +128,10 @@ def register_pre_backward(callback: Callable[[], None], output: Any) -> None:
             continue
         node = tensor.grad_fn
         if node is None:
-            tensor.register_hook(lambda _grad: callback())
+            tensor.register_hook(weak_method_hook(callback))
         elif id(node) not in hooked:
             hooked.add(id(node))
-            node.register_prehook(lambda _grads: callback())
+            node.register_prehook(weak_method_hook(callback))
 
 
 class BackwardTracker:
@@ -137,24 +150,38 @@ class BackwardTracker:
         self.syncs = True  # requires_gradient_sync as it was at that forward: it decides for its backward
         self._open_calls = 0  # grad-enabled forward calls whose inputs' gradients are pending
         self._done_at_end = False  # a call had no input needing a gradient
+        self._on_done: Callable[[], None] = _nothing  # the watched calls' on_done
+        self._watches: list[RemovableHandle] = []  # their hooks, taken off when the step is over
 
     def watch_forward_call(self, args: Any, kwargs: Any, syncs: bool, on_done: Callable[[], None]) -> None:
         """A grad-enabled forward call with inputs ``args`` / ``kwargs``: call ``on_done()`` when
         the backward of every call watched so far is done (never, if one could not be watched)."""
         self.awaiting = True
         self.syncs = syncs
-        watched = watch_input_gradients(lambda: self._call_done(on_done), args, kwargs)
-        self._open_calls += watched
-        self._done_at_end = self._done_at_end or not watched
+        self._on_done = on_done
+        watch = watch_input_gradients(self._call_done, args, kwargs)
+        if watch is not None:
+            self._watches.append(watch)
+            self._open_calls += 1
+        else:
+            self._done_at_end = True
 
-    def _call_done(self, on_done: Callable[[], None]) -> None:
+    def _call_done(self) -> None:
         if self._open_calls > 0:
             self._open_calls -= 1
             if self._open_calls == 0 and not self._done_at_end:
-                on_done()
+                self._on_done()
 
     def reset(self) -> None:
-        """The step is over (or was abandoned): no backward is awaited."""
+        """The step is over (or was abandoned): no backward is awaited. The watches' hooks come
+        off their graphs, which refcounting then frees (see :func:`watch_input_gradients`)."""
         self.awaiting = False
         self._open_calls = 0
         self._done_at_end = False
+        for watch in self._watches:
+            watch.remove()
+        self._watches = []
+
+
+def _nothing() -> None:
+    pass
