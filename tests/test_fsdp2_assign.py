@@ -5,8 +5,8 @@
 parameter objects on the module. Torch's FSDP2 adopts them: the forward computes with them and
 their ``.grad`` gets the gradient, so the optimizer built after the load trains them. Ours kept
 computing with its own objects (silently, off the meta device). Checked: the same losses and
-parameters as torch's, bit for bit at worlds 1 and 2 (float32 rounding at world 3, where gloo's
-reduce-scatter adds in another order than ours); with and without the meta device; through DCP;
+parameters as torch's, bit for bit (at world 3 every rank on rank 0's batches, whose sums are
+the same in any order: tests/_exact_sums.py); with and without the meta device; through DCP;
 an assignment after training started (torch adopts only what a load assigns then: compared with
 torch loading the same tensor). Beyond torch, which trains nothing silently there: an optimizer
 built before the load raises at its step, naming the parameter (and so does a checkpoint of it); a replacement that is not a

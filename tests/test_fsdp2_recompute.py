@@ -8,8 +8,9 @@ backward the first forward already set up. Both, per block and around the whole 
 blocks, around the root itself, by torch's ``checkpoint_wrapper`` and composable ``checkpoint``,
 with ``reshard_after_forward`` True / False / an int, with explicit prefetching, with a block whose recompute runs twice (used twice in forward), and
 through the FSDP1-shaped wrapper: the same losses and parameters as torch's ``fully_shard`` on
-the same code and data, bit for bit at worlds 1 and 2 (at world 3 gloo's reduce-scatter adds in
-another order than ours: float32 rounding, as in tests/_fsdp_reference.py).
+the same code and data, bit for bit (at world 3 every rank on rank 0's batches, whose sums are
+the same in any order: tests/_exact_sums.py; the block recomputed twice to float32 rounding above
+world 1, see there).
 """
 
 from __future__ import annotations
