@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-__all__ = ["batch_rank", "averaging_ddp", "pairwise_ddp"]
+__all__ = ["batch_rank", "averaging_ddp", "average_after_the_sum", "pairwise_ddp"]
 
 
 def batch_rank(rank: int, world: int) -> int:
@@ -45,7 +45,11 @@ def averaging_ddp(module: nn.Module) -> DDP:
     """``DDP(module)`` averaging each bucket after the sum (all-reduce with ``AVG``): at world
     1 and 2 the bits of DDP's default (dividing by 2 is exact), at world 3 those of a reduction
     with ``AVG``."""
-    ddp = DDP(module)
+    return average_after_the_sum(DDP(module))
+
+
+def average_after_the_sum(ddp: DDP) -> DDP:
+    """``ddp``, its buckets now averaged after the sum (see :func:`averaging_ddp`)."""
     ddp.register_comm_hook(None, _average_after_the_sum)
     return ddp
 
