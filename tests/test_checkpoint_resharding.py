@@ -203,8 +203,9 @@ def _resume_every_checkpoint_in_every_layer(rank, world, root):
 
 
 def _check_next_step_matches_ddp(model, wrapped, optimizer, layer, frozen, full, data_rank, what):
-    """One step more on ``data_rank``'s batch (rank 0's at world 3) beside DDP: ZeRO-3 bit for
-    bit against DDP averaging after the sum as its reduce-scatter does (tests/_exact_sums.py)."""
+    """One step more on ``data_rank``'s batch (rank 0's at world 3) beside DDP: ZeRO-2 and
+    ZeRO-3 bit for bit (ZeRO-3 against DDP averaging after the sum as its reduce-scatter does,
+    tests/_exact_sums.py); DDP and ZeRO-1, whose gradients are DDP's own, within test_oss's tolerance."""
     ref_model, ref_wrapped, ref_optimizer = build("ddp", seed=1, frozen=frozen)
     if layer in ("zero3", "fsdp"):
         average_after_the_sum(ref_wrapped)
