@@ -20,6 +20,11 @@ these comparisons are made exact instead:
   ``fully_shard`` on gloo) do. A rank that dropped or misplaced its contribution still changes
   the result (``2a / 3``, or ``(2a + b) / 3``); what world 3 no longer checks is the mixing of
   different ranks' data, which world 2 checks bit for bit.
+* world 3, where the forward itself differs between ranks (a branch taken on rank 0 only), so
+  equal batches still give rank 0 other gradients than the others: :func:`loss_weight` zeroes
+  rank 2's loss, and ``a + b + 0`` adds alike in any order. Rank 2 still runs every collective,
+  but its gradients are zeros, so this checks less than equal batches do; it is for those tests
+  only.
 * world 4 as a 2 x 2 hybrid mesh: each rank keeps its own batch; the sharded side sums each
   shard group's pair and then the two pairs' results, a tree whose every node adds two terms;
   :func:`pairwise_ddp`'s hook sums DDP's gradients in that tree.
@@ -31,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-__all__ = ["batch_rank", "averaging_ddp", "average_after_the_sum", "pairwise_ddp"]
+__all__ = ["batch_rank", "loss_weight", "averaging_ddp", "average_after_the_sum", "pairwise_ddp"]
 
 
 def batch_rank(rank: int, world: int) -> int:
@@ -39,6 +44,14 @@ def batch_rank(rank: int, world: int) -> int:
     if world > 3:
         raise ValueError(f"equal batches sum exactly at world 3 at most, not {world}: use pairwise_ddp")
     return rank if world <= 2 else 0
+
+
+def loss_weight(rank: int, world: int) -> float:
+    """What ``rank`` multiplies its loss by where ranks compute differently: 0.0 for rank 2 at
+    world 3 (its gradients exactly zero), 1.0 otherwise."""
+    if world > 3:
+        raise ValueError(f"a zero third term sums exactly at world 3 at most, not {world}: use pairwise_ddp")
+    return 0.0 if world == 3 and rank == 2 else 1.0
 
 
 def averaging_ddp(module: nn.Module) -> DDP:

@@ -12,9 +12,10 @@ Tolerances (:func:`assert_matches_ddp`):
   element by up to ``lr`` per step, by an amount that depends on which roundings flip and so on
   the CPU's kernels: no bound is both machine-independent and tight. So AdamW is compared bit for
   bit (``exact=True``): the caller trains at world 3 on rank 0's batches and DDP averages after
-  the sum (tests/_exact_sums.py). Where that cannot be (a forward that differs between ranks, an
-  optimizer stepping on another device than the reference's), ``exact=False``: the worst element
-  may differ by ``0.1 * lr * steps``, the mean difference must stay at rounding level (1e-6).
+  the sum (tests/_exact_sums.py). Where that cannot be (a unit that sends its gradients twice in
+  one backward, an optimizer stepping on another device than the reference's, a clip factor an
+  ulp off torch's), ``exact=False``: the worst element may differ by ``0.1 * lr * steps``, the
+  mean difference must stay at rounding level (1e-6).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from tests._exact_sums import average_after_the_sum, batch_rank
 from tests._harness import assert_same_on_all_ranks, run_on_ranks
 from tests._models import gpt, gpt_loss, token_batch
 from tests.test_oss import _assert_close, _two_groups
-from tests.test_sharded_ddp import _assert_adam_close
+from tests.test_sharded_ddp import assert_adam_equal
 
 # Every rank forks from the harness's forkserver: have it import DCP and these tests' modules once
 # (each costs a rank about a second of CPU otherwise, in every launch of every checkpoint test).
@@ -216,7 +216,7 @@ def _check_next_step_matches_ddp(model, wrapped, optimizer, layer, frozen, full,
     if layer in ("zero3", "fsdp"):
         assert_matches_ddp(model, ref_model, what, optim=ADAMW, steps=1)
     elif layer == "zero2":
-        _assert_adam_close(model, ref_model, what, lr=ADAMW_LR, steps=1)
+        assert_adam_equal(model, ref_model, what)
     else:
         _assert_close(model, ref_model, what)
 

@@ -122,9 +122,11 @@ def _check_buffers_unused_and_double_calls(rank, world):
         fully_shard(module)
     ref_opt, our_opt = optimizers_for(ADAMW, ref, ours)
     train_both([(ref, ref_opt), (ours, our_opt)], rank)
-    # rank 0's forward has a branch the others lack: its gradients differ from theirs even on one
-    # batch, and three different terms add in gloo's order; the AdamW bound at world 3
-    assert_matches_ddp(ours, ref.module, "buffers, unused parameters, a module called twice", ADAMW, exact=world <= 2)
+    # AdamW's bound, not bits, at every world size: the unit whose backward runs twice sends
+    # twice, so its gradients are added after their reductions, another association than DDP's
+    # (even with rank 2's loss zeroed at world 3, 1.9e-6 apart; measured within the bound:
+    # 8e-7 to 1.4e-6 worst, 5e-9 mean, under three CPU kernel choices)
+    assert_matches_ddp(ours, ref.module, "buffers, unused parameters, a module called twice", ADAMW, exact=False)
     for name, buffer in ours.named_buffers():
         torch.testing.assert_close(buffer, dict(ref.module.named_buffers())[name], rtol=1e-5, atol=1e-6)
     assert ours.unused.weight.grad is None, "a parameter no rank used got a gradient"
