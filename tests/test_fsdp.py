@@ -1,7 +1,8 @@
 """fully_shard (ZeRO-3) against torch DDP + the plain optimizer, on gloo process groups.
 
-Tolerances are stated in tests/_fsdp_reference.py (SGD: float32 ulps; AdamW: the scale-free
-update bound) and, for mixed precision, where it is tested.
+Tolerances are stated in tests/_fsdp_reference.py (SGD: float32 ulps; AdamW: bit for bit, at
+world 3 on rank 0's batches with DDP averaging after the sum, tests/_exact_sums.py) and, for
+mixed precision, where it is tested.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from tests._fsdp_reference import (
     uneven_loss,
 )
 from tests._device import DEVICE_AGNOSTIC, LAYER3_OVER_GLOO_ON_CUDA, skip_gloo_on_cuda, world_sizes
+from tests._exact_sums import average_after_the_sum, batch_rank
 from tests._harness import assert_same_on_all_ranks, run_on_ranks
 from tests._models import gpt, gpt_loss, token_batch
 
@@ -40,12 +42,12 @@ def _check_matches_ddp(rank, world):
     for reshard in (True, False):
         for optim in (SGD, ADAMW):
             what = f"{optim[0].__name__}, reshard_after_forward={reshard}"
-            ref, ours = DDP(gpt()), gpt()
+            ref, ours = average_after_the_sum(DDP(gpt())), gpt()
             keys = list(ours.state_dict())
             shard_gpt(ours, reshard_after_forward=reshard)
             assert list(ours.state_dict()) == keys, "fully_shard changed the state_dict keys"
             assert all(isinstance(p, DTensor) and p.placements == (Shard(0),) for p in ours.parameters())
-            train_both(zip((ref, ours), optimizers_for(optim, ref, ours)), rank)
+            train_both(zip((ref, ours), optimizers_for(optim, ref, ours)), batch_rank(rank, world))
             assert_matches_ddp(ours, ref.module, what, optim)
 
 
@@ -87,8 +89,8 @@ def _check_uneven_shapes(rank, world):
         assert {name: p.shape for name, p in ours.named_parameters()} == shapes, "users must never see padding"
         assert ours.scale.placements == (Replicate(),), "a 0-dim parameter is replicated"
         assert ours.row.to_local().shape[0] == (1 if rank == 0 else 0), "one row lives on rank 0"
-        ddp = DDP(ref)
-        train_both(zip((ddp, ours), optimizers_for(optim, ddp, ours)), rank, loss_fn=uneven_loss, batch_fn=uneven_batch)
+        ddp = average_after_the_sum(DDP(ref))
+        train_both(zip((ddp, ours), optimizers_for(optim, ddp, ours)), batch_rank(rank, world), loss_fn=uneven_loss, batch_fn=uneven_batch)
         assert_matches_ddp(ours, ref, f"uneven shapes, {optim[0].__name__}", optim)
         assert_same_on_all_ranks([ours.scale.to_local()], "the replicated 0-dim parameter")
 
@@ -120,7 +122,11 @@ def _check_buffers_unused_and_double_calls(rank, world):
         fully_shard(module)
     ref_opt, our_opt = optimizers_for(ADAMW, ref, ours)
     train_both([(ref, ref_opt), (ours, our_opt)], rank)
-    assert_matches_ddp(ours, ref.module, "buffers, unused parameters, a module called twice", ADAMW)
+    # AdamW's bound, not bits, at every world size: the unit whose backward runs twice sends
+    # twice, so its gradients are added after their reductions, another association than DDP's
+    # (even with rank 2's loss zeroed at world 3, 1.9e-6 apart; measured within the bound:
+    # 8e-7 to 1.4e-6 worst, 5e-9 mean, under three CPU kernel choices)
+    assert_matches_ddp(ours, ref.module, "buffers, unused parameters, a module called twice", ADAMW, exact=False)
     for name, buffer in ours.named_buffers():
         torch.testing.assert_close(buffer, dict(ref.module.named_buffers())[name], rtol=1e-5, atol=1e-6)
     assert ours.unused.weight.grad is None, "a parameter no rank used got a gradient"

@@ -5,8 +5,8 @@
 parameter objects on the module. Torch's FSDP2 adopts them: the forward computes with them and
 their ``.grad`` gets the gradient, so the optimizer built after the load trains them. Ours kept
 computing with its own objects (silently, off the meta device). Checked: the same losses and
-parameters as torch's, bit for bit at worlds 1 and 2 (float32 rounding at world 3, where gloo's
-reduce-scatter adds in another order than ours); with and without the meta device; through DCP;
+parameters as torch's, bit for bit (at world 3 every rank on rank 0's batches, whose sums are
+the same in any order: tests/_exact_sums.py); with and without the meta device; through DCP;
 an assignment after training started (torch adopts only what a load assigns then: compared with
 torch loading the same tensor). Beyond torch, which trains nothing silently there: an optimizer
 built before the load raises at its step, naming the parameter (and so does a checkpoint of it); a replacement that is not a
@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from tests._fsdp_reference import SGD, assert_same_as_torch, optimizers_for, shard_gpt, train_recording
+from tests._exact_sums import batch_rank
 from tests._harness import run_on_ranks
 from tests._models import gpt, gpt_loss, token_batch
 
@@ -56,14 +57,14 @@ def _assign_cases(rank, world):
 
     from sharded import checkpoint, fully_shard
 
-    exact = world <= 2
+    data_rank = batch_rank(rank, world)  # at world 3 rank 0's batches: exact sums, tests/_exact_sums.py
     loaded = gpt(seed=0).state_dict()
     for meta in (False, True):
         what = f"load_state_dict(assign=True){' on the meta device' if meta else ''}, optimizer after"
-        theirs = train_recording(_load_assigned(torch_fully_shard, meta, loaded)[0], rank)
+        theirs = train_recording(_load_assigned(torch_fully_shard, meta, loaded)[0], data_rank)
         model, assigned = _load_assigned(fully_shard, meta, loaded)
-        ours = train_recording(model, rank)
-        assert_same_as_torch(ours, theirs, what, exact)
+        ours = train_recording(model, data_rank)
+        assert_same_as_torch(ours, theirs, what, exact=True)
         held = dict(model.named_parameters())
         assert all(held[n] is p and p.grad is not None for n, p in assigned.items()), f"{what}: not adopted"
 
@@ -83,8 +84,8 @@ def _assign_cases(rank, world):
     for shard in (torch_fully_shard, fully_shard):
         model = _sharded_gpt(shard, meta=True)
         set_model_state_dict(model, dict(loaded), options=options)  # it replaces the values it loads
-        runs.append(train_recording(model, rank))
-    assert_same_as_torch(runs[1], runs[0], "DCP set_model_state_dict(full_state_dict=True) on the meta device", exact)
+        runs.append(train_recording(model, data_rank))
+    assert_same_as_torch(runs[1], runs[0], "DCP set_model_state_dict(full_state_dict=True) on the meta device", exact=True)
 
     # a parameter replaced after training started: by assignment (ours) and by a load (torch,
     # which adopts only what a load assigns once it has run)
@@ -92,7 +93,7 @@ def _assign_cases(rank, world):
     for shard in (torch_fully_shard, fully_shard):
         model = _sharded_gpt(shard, meta=False)
         optimizer = optimizers_for(SGD, model)[0]
-        train_recording(model, rank, optimizer)
+        train_recording(model, data_rank, optimizer)
         fresh = {"blocks.1.qkv.weight": loaded["blocks.1.qkv.weight"]}
         replacement = nn.Parameter(_as_shards(model, fresh)["blocks.1.qkv.weight"])
         if shard is fully_shard:
@@ -100,9 +101,9 @@ def _assign_cases(rank, world):
         else:
             model.load_state_dict({"blocks.1.qkv.weight": replacement}, strict=False, assign=True)
         optimizer = optimizers_for(SGD, model)[0]
-        runs.append(train_recording(model, rank, optimizer, first=3))
+        runs.append(train_recording(model, data_rank, optimizer, first=3))
         assert model.blocks[1].qkv.weight is replacement and replacement.grad is not None
-    assert_same_as_torch(runs[1], runs[0], "a parameter assigned after training started", exact)
+    assert_same_as_torch(runs[1], runs[0], "a parameter assigned after training started", exact=True)
 
     _check_refused_replacements(rank)
 

@@ -15,6 +15,7 @@ from torch import nn
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.nn import functional as F
 
+from tests._exact_sums import batch_rank
 from tests._fsdp_reference import CountCollectives
 from tests._harness import run_on_ranks
 
@@ -119,11 +120,12 @@ def _batch(rank, step):
     return torch.randn(4, 12, generator=g), torch.randn(4, 6, generator=g)
 
 
-def _train(model, rank, steps=3):
+def _train(model, data_rank, steps=3):
+    """AdamW on ``data_rank``'s batches; the losses and the local parameters."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for step in range(steps):
-        x, y = _batch(rank, step)
+        x, y = _batch(data_rank, step)
         loss = F.mse_loss(model(x), y)
         loss.backward()
         optimizer.step()
@@ -139,7 +141,7 @@ def _parity_cases(rank, world):
     from sharded import fully_shard
     from sharded.fsdp._full_params import summon_full_params
 
-    exact = world <= 2  # at world 3 gloo's reduce-scatter adds in another order than torch's
+    data_rank = batch_rank(rank, world)  # at world 3 rank 0's batches: exact sums, tests/_exact_sums.py
     cases = [
         (Bf16Gathered, False, {}),
         (Bf16Gathered, True, {"reshard_after_forward": False}),
@@ -153,23 +155,18 @@ def _parity_cases(rank, world):
         for a, b in zip(ours.parameters(), theirs.parameters()):
             assert type(a.to_local()) is type(b.to_local()), what
             assert torch.equal(_plain(a.to_local()), _plain(b.to_local())), what
-        (losses, params), (ref_losses, ref_params) = _train(ours, rank), _train(theirs, rank)
-        if exact:
-            assert torch.equal(losses, ref_losses), f"{what}: losses {losses} != torch's {ref_losses}"
-            for a, b in zip(params, ref_params):
-                assert torch.equal(a, b), f"{what}: parameters differ from torch's by {(a - b).abs().max():.3g}"
-        else:
-            torch.testing.assert_close(losses, ref_losses, rtol=1e-4, atol=1e-6)
-            for a, b in zip(params, ref_params):
-                torch.testing.assert_close(a, b, rtol=0, atol=0.1 * 1e-2 * 3)
+        (losses, params), (ref_losses, ref_params) = _train(ours, data_rank), _train(theirs, data_rank)
+        assert torch.equal(losses, ref_losses), f"{what}: losses {losses} != torch's {ref_losses}"
+        for a, b in zip(params, ref_params):
+            assert torch.equal(a, b), f"{what}: parameters differ from torch's by {(a - b).abs().max():.3g}"
         # state_dict: torch's DTensors (the subclass inside); full parameters on demand
         state, ref_state = ours.state_dict(), theirs.state_dict()
         for key, value in state.items():
             assert type(value.to_local()) is type(ref_state[key].to_local()), key
-            assert torch.equal(_plain(value.full_tensor()), _plain(ref_state[key].full_tensor())) or not exact, key
+            assert torch.equal(_plain(value.full_tensor()), _plain(ref_state[key].full_tensor())), key
         with summon_full_params(ours, writeback=False):
             for key, value in ours.named_parameters():
-                assert torch.equal(_plain(value.detach()), _plain(ref_state[key].full_tensor())) or not exact, key
+                assert torch.equal(_plain(value.detach()), _plain(ref_state[key].full_tensor())), key
         # the gathered weights are the rounded ones: bf16 / int8 rounding, no more
         plain = _shard(Stack(None, bias), fully_shard, **kwargs)
         x, _ = _batch(rank, 7)

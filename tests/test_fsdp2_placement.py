@@ -8,6 +8,7 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 from torch.nn import functional as F
 
+from tests._exact_sums import batch_rank
 from tests._harness import run_on_ranks
 from tests._models import gpt, token_batch
 
@@ -27,11 +28,12 @@ def _dim1_where_even(world):
 VOCAB = 48  # with a width of 24: every matrix divides evenly over 1, 2 and 3 ranks on dim 1
 
 
-def _train(model, rank, steps=2):
+def _train(model, data_rank, steps=2):
+    """AdamW on ``data_rank``'s batches, clipping on; the losses."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     losses = []
     for step in range(steps):
-        batch = token_batch(rank, step, vocab=VOCAB, seq=8)
+        batch = token_batch(data_rank, step, vocab=VOCAB, seq=8)
         loss = F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -41,17 +43,11 @@ def _train(model, rank, steps=2):
     return torch.stack(losses)
 
 
-def _assert_same(losses, reference, ours, theirs, what, exact, steps=2):
-    """Bit for bit; or (``exact=False``: gloo sums in another order) losses to rounding and
-    parameters within AdamW's bound for ulp noise (a step moves a parameter by up to ``lr``)."""
-    if exact:
-        assert torch.equal(losses, reference), f"{what}: losses {losses} != torch's {reference}"
-        for a, b in zip(ours, theirs):
-            assert torch.equal(a, b), f"{what}: parameters differ from torch's by {(a - b).abs().max():.3g}"
-        return
-    torch.testing.assert_close(losses, reference, rtol=1e-5, atol=1e-6)
-    diffs = torch.cat([(a - b).abs().flatten() for a, b in zip(ours, theirs)])
-    assert diffs.max() <= 0.1 * 1e-2 * steps and diffs.mean() <= 1e-5, f"{what}: parameters {diffs.max():.3g}"
+def _assert_same(losses, reference, ours, theirs, what):
+    """Losses and parameters bit for bit."""
+    assert torch.equal(losses, reference), f"{what}: losses {losses} != torch's {reference}"
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b), f"{what}: parameters differ from torch's by {(a - b).abs().max():.3g}"
 
 
 def _sharded_gpt(shard, placement, **kwargs):
@@ -73,7 +69,7 @@ def _placement_cases(rank, world):
     from sharded import fully_shard
 
     placement = _dim1_where_even(world)
-    exact = world <= 2  # at world 3 gloo's reduce-scatter adds in another order than torch's
+    data_rank = batch_rank(rank, world)  # at world 3 rank 0's batches: exact sums, tests/_exact_sums.py
     for kwargs in ({}, {"reshard_after_forward": False}, {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}):
         theirs, ours = (_sharded_gpt(shard, placement, **kwargs) for shard in (torch_fully_shard, fully_shard))
         assert [p.placements for p in ours.parameters()] == [p.placements for p in theirs.parameters()]
@@ -81,8 +77,8 @@ def _placement_cases(rank, world):
             assert any(p.placements[-1] == Shard(1) for p in ours.parameters())
         for a, b in zip(_locals(ours), _locals(theirs)):
             assert torch.equal(a, b), "the sharded parameters' local tensors differ from torch's"
-        reference, losses = _train(theirs, rank), _train(ours, rank)
-        _assert_same(losses, reference, _locals(ours), _locals(theirs), f"{kwargs}", exact)
+        reference, losses = _train(theirs, data_rank), _train(ours, data_rank)
+        _assert_same(losses, reference, _locals(ours), _locals(theirs), f"{kwargs}")
         assert all(p.grad is None for p in ours.parameters())
 
     # state_dict: DTensors with torch's placements; a round trip through full tensors
@@ -137,8 +133,8 @@ def hybrid_cases(rank, mesh):
     theirs, ours = (_sharded_gpt(shard, placement, mesh=mesh) for shard in (torch_fully_shard, fully_shard))
     assert [p.placements for p in ours.parameters()] == [p.placements for p in theirs.parameters()]
     reference, losses = _train(theirs, rank), _train(ours, rank)
-    _assert_same(losses, reference, _locals(ours), _locals(theirs), "HSDP, Shard(1)", exact=True)
+    _assert_same(losses, reference, _locals(ours), _locals(theirs), "HSDP, Shard(1)")
     (losses, params), (reference, ref_params) = (
         train_stack(shard_stack(Stack(Bf16Gathered, True), shard, mesh=mesh), rank) for shard in (fully_shard, torch_fully_shard)
     )
-    _assert_same(losses, reference, params, ref_params, "HSDP, the all-gather extension", exact=True)
+    _assert_same(losses, reference, params, ref_params, "HSDP, the all-gather extension")

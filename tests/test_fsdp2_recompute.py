@@ -8,8 +8,9 @@ backward the first forward already set up. Both, per block and around the whole 
 blocks, around the root itself, by torch's ``checkpoint_wrapper`` and composable ``checkpoint``,
 with ``reshard_after_forward`` True / False / an int, with explicit prefetching, with a block whose recompute runs twice (used twice in forward), and
 through the FSDP1-shaped wrapper: the same losses and parameters as torch's ``fully_shard`` on
-the same code and data, bit for bit at worlds 1 and 2 (at world 3 gloo's reduce-scatter adds in
-another order than ours: float32 rounding, as in tests/_fsdp_reference.py).
+the same code and data, bit for bit (at world 3 every rank on rank 0's batches, whose sums are
+the same in any order: tests/_exact_sums.py; the block recomputed twice to float32 rounding above
+world 1, see there).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from examples.gpt import GPT, Block
 from tests._fsdp_reference import assert_same_as_torch, shard_gpt, train_recording
+from tests._exact_sums import batch_rank
 from tests._harness import run_on_ranks
 
 
@@ -112,7 +114,7 @@ def _recompute_cases(rank, world):
 
     from sharded import FullyShardedDataParallel, fully_shard
 
-    exact = world <= 2
+    data_rank = batch_rank(rank, world)  # at world 3 rank 0's batches: exact sums, tests/_exact_sums.py
     cases = [
         ("reentrant per block", dict(reentrant=True), {}),
         ("reentrant per block, reshard_after_forward=False", dict(reentrant=True), dict(reshard_after_forward=False)),
@@ -125,31 +127,31 @@ def _recompute_cases(rank, world):
         ("non-reentrant, a block recomputed twice", dict(reentrant=False, shared=True), {}),
     ]
     for what, model_args, shard_args in cases:
-        theirs = train_recording(_shard(RecomputedGPT(**model_args), torch_fully_shard, **shard_args), rank)
-        ours = train_recording(_shard(RecomputedGPT(**model_args), fully_shard, **shard_args), rank)
-        assert_same_as_torch(ours, theirs, what, exact)
+        theirs = train_recording(_shard(RecomputedGPT(**model_args), torch_fully_shard, **shard_args), data_rank)
+        ours = train_recording(_shard(RecomputedGPT(**model_args), fully_shard, **shard_args), data_rank)
+        assert_same_as_torch(ours, theirs, what, exact=True)
 
     # torch's fully_shard loses a use's gradient here (its parameters 4e-3 off the unsharded
     # model's at world 1 after 3 steps): against torch's without checkpointing, the same math.
     # Each recompute's backward sends its own gradient, so the two uses are added after their
     # reductions, not before: bit for bit at world 1, float32 rounding apart above.
-    theirs = train_recording(_shard(RecomputedGPT(reentrant=True, around="nothing", shared=True), torch_fully_shard), rank)
-    ours = train_recording(_shard(RecomputedGPT(reentrant=True, shared=True), fully_shard), rank)
+    theirs = train_recording(_shard(RecomputedGPT(reentrant=True, around="nothing", shared=True), torch_fully_shard), data_rank)
+    ours = train_recording(_shard(RecomputedGPT(reentrant=True, shared=True), fully_shard), data_rank)
     assert_same_as_torch(ours, theirs, "reentrant, a block recomputed twice", exact=world == 1)
 
     for how in ("reentrant", "non-reentrant", "composable"):
-        theirs = train_recording(_shard(_wrapped_blocks(how), torch_fully_shard), rank)
-        ours = train_recording(_shard(_wrapped_blocks(how), fully_shard), rank)
-        assert_same_as_torch(ours, theirs, f"{how} checkpoint wrapper per block", exact)
+        theirs = train_recording(_shard(_wrapped_blocks(how), torch_fully_shard), data_rank)
+        ours = train_recording(_shard(_wrapped_blocks(how), fully_shard), data_rank)
+        assert_same_as_torch(ours, theirs, f"{how} checkpoint wrapper per block", exact=True)
 
-    theirs = train_recording(_shard(CheckpointedRoot(), torch_fully_shard), rank, loss_fn=_root_loss, batch_fn=_root_batch)
-    ours = train_recording(_shard(CheckpointedRoot(), fully_shard), rank, loss_fn=_root_loss, batch_fn=_root_batch)
-    assert_same_as_torch(ours, theirs, "reentrant around the root", exact)
+    theirs = train_recording(_shard(CheckpointedRoot(), torch_fully_shard), data_rank, loss_fn=_root_loss, batch_fn=_root_batch)
+    ours = train_recording(_shard(CheckpointedRoot(), fully_shard), data_rank, loss_fn=_root_loss, batch_fn=_root_batch)
+    assert_same_as_torch(ours, theirs, "reentrant around the root", exact=True)
 
     # the FSDP1-shaped wrapper, each block a unit (auto-wrapped), Megatron's full recompute
-    theirs = train_recording(_shard(RecomputedGPT(reentrant=True), torch_fully_shard), rank)
+    theirs = train_recording(_shard(RecomputedGPT(reentrant=True), torch_fully_shard), data_rank)
     wrapped = FullyShardedDataParallel(RecomputedGPT(reentrant=True), auto_wrap_policy={Block})
-    assert_same_as_torch(train_recording(wrapped, rank), theirs, "FullyShardedDataParallel, reentrant per block", exact)
+    assert_same_as_torch(train_recording(wrapped, data_rank), theirs, "FullyShardedDataParallel, reentrant per block", exact=True)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])

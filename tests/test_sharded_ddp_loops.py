@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 import sharded._common.in_flight
 from sharded._owners.reduce_plan import FIRST_BUCKET_BYTES
 from sharded import OSS, ShardedDataParallel
+from tests._exact_sums import batch_rank
 from tests._harness import assert_same_on_all_ranks, run_on_ranks
 from tests._models import gpt, gpt_loss, token_batch
 from tests.test_oss import _assert_close
@@ -152,28 +153,43 @@ def _ddp_style_loop(model, optimizer, clip, rank, steps=4, accumulation=2):
 
 def _check_ddp_loop_with_three_line_swap(rank, world):
     hyper = dict(lr=3e-3, betas=(0.9, 0.95))
+    data_rank = batch_rank(rank, world)  # rank 0's batches at world 3: exact sums, tests/_exact_sums.py
     ref_model, our_model = gpt(), gpt()
-    ref_opt = torch.optim.AdamW(_two_groups(ref_model), **hyper)
-    ref = DDP(ref_model)
-    ref_norms = _ddp_style_loop(ref, ref_opt, lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.25), rank)
     our_opt = OSS(_two_groups(our_model), torch.optim.AdamW, **hyper)  # 1: the optimizer
     ours = ShardedDataParallel(our_model, our_opt)  # 2: the wrapper
-    our_norms = _ddp_style_loop(ours, our_opt, lambda m: m.clip_grad_norm_(0.25), rank)  # 3: the clip call
-    # The norms are taken before clipping: equal up to the order of float32 additions.
-    torch.testing.assert_close(our_norms, ref_norms, rtol=1e-5, atol=1e-6)
+    our_norms = _ddp_style_loop(ours, our_opt, lambda m: m.clip_grad_norm_(0.25), data_rank)  # 3: the clip call
+    # DDP's loop clips by the norm ours took, so that the parameters compare bit for bit, and
+    # reports torch's own norm: the k parameters' squares added in another association, each
+    # within (k - 1) ulps of the exact sum, two within 2 (k - 1), halved by the root, and one
+    # rounding of each root
+    ref_opt = torch.optim.AdamW(_two_groups(ref_model), **hyper)
+    ref = DDP(ref_model)
+    ref_norms = _ddp_style_loop(ref, ref_opt, _clipping_by(iter(our_norms)), data_rank)
+    k = len(list(ref_model.parameters()))
+    torch.testing.assert_close(our_norms, ref_norms, rtol=(k + 1) * 2**-24, atol=0)
     assert bool((ref_norms > 0.25).all()), f"clipping must be active for this test to mean anything: {ref_norms}"
-    # Adam is scale-free: ulp-level gradient noise moves an element by up to lr, so the bound is
-    # 0.1 * lr * steps on the worst element and rounding level on the mean.
-    diffs = torch.cat([(a - b).abs().flatten() for a, b in zip(our_model.parameters(), ref_model.parameters())])
-    assert diffs.max() <= 0.1 * hyper["lr"] * 4 and diffs.mean() <= 1e-6, (diffs.max(), diffs.mean())
+    for (name, a), b in zip(our_model.named_parameters(), ref_model.parameters()):
+        assert torch.equal(a, b), f"{name} differs from DDP's by {(a - b).abs().max():.3g}"
     ref_losses = [gpt_loss(ref, token_batch(rank, 100 + i)).item() for i in range(2)]
     our_losses = [gpt_loss(ours, token_batch(rank, 100 + i)).item() for i in range(2)]
-    assert our_losses == pytest.approx(ref_losses, rel=1e-5), (our_losses, ref_losses)
+    assert our_losses == ref_losses, (our_losses, ref_losses)
     # the switch is the state no_sync() toggles, readable both ways
     ours.require_backward_grad_sync = True
     with ours.no_sync():
         assert ours.require_backward_grad_sync is False
     assert ours.require_backward_grad_sync is True
+
+
+def _clipping_by(norms):
+    """DDP's clip for :func:`_ddp_style_loop`: torch's norm of the gradients, returned, and a
+    clip by the next of ``norms`` (ours)."""
+
+    def clip(model):
+        torch_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), 0.25, next(norms))
+        return torch_norm
+
+    return clip
 
 
 def _check_clip_grad_norm_types(rank, world):
