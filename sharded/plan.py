@@ -24,6 +24,7 @@ import argparse
 import importlib
 import re
 import sys
+import types
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -154,6 +155,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(fit_table(model, args.world_size, args.budget, stages, **kwargs))
     return 0
 
+
+class _CallableAsPlan(types.ModuleType):
+    """This module, callable as :func:`plan`. ``sharded.plan`` is the function, but a program
+    whose first import is ``import sharded.plan`` (this module, the command's) has Python set the
+    package attribute to the module: ``sharded.plan(model, ...)`` must still plan."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> list[MemoryEstimate]:
+        return plan(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableAsPlan
 
 if __name__ == "__main__":
     sys.exit(main())

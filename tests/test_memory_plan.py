@@ -77,6 +77,14 @@ def test_plan_is_a_function_also_after_the_command_module_is_imported():
     import sharded.plan as command  # noqa: F401
 
     assert callable(sharded.plan) and sharded.plan is plan
+    # A program whose first import is the command's module: the package attribute is the module,
+    # which must plan as the function does.
+    first = ("import sharded.plan, sharded, torch; from torch import nn; "
+             "print([e.stage for e in sharded.plan(nn.Linear(4, 4), world_size=2, budget_bytes=10**9)])")
+    done = subprocess.run([sys.executable, "-c", first], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str([e.stage for e in plan(nn.Linear(4, 4), world_size=2, budget_bytes=10**9)])
 
 
 def _cli(*args: str) -> str:
