@@ -29,7 +29,8 @@ from . import comm
 from .errors import process_rank
 
 __all__ = [
-    "full_copy", "full_model_state_dict", "full_tensor_of", "held_here", "is_dtensor", "local_tensor_of", "register_whole_on",
+    "full_copy", "full_model_state_dict", "full_tensor_of", "held_here", "is_dtensor", "local_tensor_of", "on_mesh_device",
+    "register_whole_on",
     "shared_mesh_of", "whole_from_holder", "whole_on_group",
 ]
 
@@ -102,13 +103,18 @@ def full_tensor_of(value: Any) -> Any:
     goes to that accelerator to be gathered, as its collectives need."""
     if not is_dtensor(value):
         return value
-    mesh_device = value.device_mesh.device_type
-    if value.device.type != mesh_device:
-        value = value.to(mesh_device)
+    value = on_mesh_device(value)
     group = whole_on_group(value)
     if group is not None:
         return whole_from_holder(value, group)
     return value.full_tensor()
+
+
+def on_mesh_device(value: Any) -> Any:
+    """A DTensor on its mesh's device type (a copy there if it was offloaded to the CPU), as its
+    collectives need."""
+    mesh_device = value.device_mesh.device_type
+    return value if value.device.type == mesh_device else value.to(mesh_device)
 
 
 def whole_from_holder(value: Any, group: comm.ProcessGroup) -> torch.Tensor:

@@ -108,8 +108,8 @@ def _explained(publisher: HeartbeatPublisher, cause: BaseException, timeout: Opt
     waited = "waited" if peers.is_timeout(cause) else "was"
     step = ("in an unknown step (call begin_step(step) on what detect_peer_failure() yields to have it named)"
             if me.step is None else f"in step {me.step}")
-    culprit = {0: "a peer", 1: "rank"}.get(len(finding.silent_ranks), "ranks") + "".join(
-        f"{',' if i else ''} {r}" for i, r in enumerate(finding.silent_ranks))
+    ranks = finding.silent_ranks
+    culprit = "a peer" if not ranks else ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
     message = (
         f"{finding.account}. This rank {waited} in a collective {step} when it failed: {_first_line(cause)}. "
         f"The process group's timeout{seconds} (init_process_group(timeout=...)) bounds "

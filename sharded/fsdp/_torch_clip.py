@@ -21,7 +21,6 @@ gradients with an error naming the rank instead of returning this rank's norm al
 from __future__ import annotations
 
 import functools
-import threading
 from typing import Any, Iterable, Optional, Union
 
 import torch
@@ -34,21 +33,13 @@ from ._grad_norm import clip_grad_norm_ as sharded_clip_grad_norm_
 
 __all__ = ["route_torch_clip_for_owned"]
 
-_lock = threading.Lock()
-_routed = False
-
-
 def route_torch_clip_for_owned() -> None:
-    """Route torch's ``clip_grad_norm_`` (once per process) as the module docstring says."""
-    global _routed
-    with _lock:
-        if _routed:
-            return
-        routed = _routing(torch_clip_grad.clip_grad_norm_)
-        torch_clip_grad.clip_grad_norm_ = routed
-        torch.nn.utils.clip_grad_norm_ = routed
-        torch.nn.utils.get_total_norm = _refusing_owned(torch.nn.utils.get_total_norm)
-        _routed = True
+    """Route torch's ``clip_grad_norm_`` as the module docstring says (call it once per process:
+    :func:`._owned_routes.route_torch_for_owned`)."""
+    routed = _routing(torch_clip_grad.clip_grad_norm_)
+    torch_clip_grad.clip_grad_norm_ = routed
+    torch.nn.utils.clip_grad_norm_ = routed
+    torch.nn.utils.get_total_norm = _refusing_owned(torch.nn.utils.get_total_norm)
 
 
 def _routing(torch_own: Any) -> Any:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import threading
 from types import ModuleType
 from typing import Any, Iterator, Mapping, Optional
 
@@ -45,27 +44,20 @@ from .._common.dtensors import held_here, local_tensor_of, whole_on_group
 
 __all__ = ["route_torch_state_dict_for_owned"]
 
-_lock = threading.Lock()
-_routed = False
-
 # What a non-holder stands in for one value of an owned parameter's state: a DTensor held whole
 # (its shape and dtype), or the value itself.
 _Described = tuple[str, Any]
 
 
 def route_torch_state_dict_for_owned() -> None:
-    """Route torch's state dict functions (once per process) as the module docstring says."""
-    global _routed
-    with _lock:
-        if _routed:
-            return
-        import torch.distributed._state_dict_utils as torch_state_dict_utils
-        import torch.distributed.checkpoint.state_dict as torch_state_dict  # heavy: only once a parameter is owned
+    """Route torch's state dict functions as the module docstring says (call it once per
+    process: :func:`._owned_routes.route_torch_for_owned`)."""
+    import torch.distributed._state_dict_utils as torch_state_dict_utils
+    import torch.distributed.checkpoint.state_dict as torch_state_dict  # heavy: only once a parameter is owned
 
-        torch_state_dict_utils._distribute_tensors = _distributing(torch_state_dict_utils._distribute_tensors)
-        torch_state_dict._get_optim_state_dict = _getting(torch_state_dict._get_optim_state_dict, torch_state_dict)
-        torch_state_dict._load_optim_state_dict = _loading(torch_state_dict._load_optim_state_dict)
-        _routed = True
+    torch_state_dict_utils._distribute_tensors = _distributing(torch_state_dict_utils._distribute_tensors)
+    torch_state_dict._get_optim_state_dict = _getting(torch_state_dict._get_optim_state_dict, torch_state_dict)
+    torch_state_dict._load_optim_state_dict = _loading(torch_state_dict._load_optim_state_dict)
 
 
 def _getting(torch_own: Any, torch_state_dict: ModuleType) -> Any:

@@ -27,29 +27,20 @@ as torch's ``Replicate() -> Shard()`` keeps each rank's piece. ``forward_dtype``
 from __future__ import annotations
 
 import functools
-import threading
 from typing import Any, Optional, Sequence, cast
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate
 
-from .._common.dtensors import held_here, shared_mesh_of, whole_from_holder, whole_on_group
+from .._common.dtensors import held_here, on_mesh_device, shared_mesh_of, whole_from_holder, whole_on_group
 
 __all__ = ["route_torch_whole_for_owned"]
 
-_lock = threading.Lock()
-_routed = False
-
-
 def route_torch_whole_for_owned() -> None:
-    """Route ``DTensor.redistribute`` (once per process) as the module docstring says."""
-    global _routed
-    with _lock:
-        if _routed:
-            return
-        DTensor.redistribute = _routing(DTensor.redistribute)  # type: ignore[method-assign]
-        _routed = True
+    """Route ``DTensor.redistribute`` as the module docstring says (call it once per process:
+    :func:`._owned_routes.route_torch_for_owned`)."""
+    DTensor.redistribute = _routing(DTensor.redistribute)  # type: ignore[method-assign]
 
 
 def _routing(torch_own: Any) -> Any:
@@ -88,8 +79,7 @@ def _asks_whole(value: DTensor, shared_mesh: DeviceMesh, mesh: Optional[DeviceMe
 def _replicated_on_shared_mesh(
     value: DTensor, shared_mesh: DeviceMesh, forward_dtype: Optional[torch.dtype], backward_dtype: Optional[torch.dtype]
 ) -> DTensor:
-    if value.device.type != value.device_mesh.device_type:  # offloaded to the CPU: collectives need the device
-        value = cast(DTensor, value.to(value.device_mesh.device_type))
+    value = cast(DTensor, on_mesh_device(value))
     if forward_dtype is not None:
         value = cast(DTensor, value.to(forward_dtype))
     return cast(DTensor, _WholeFromHolder.apply(value, shared_mesh, backward_dtype))

@@ -40,9 +40,7 @@ from ._placement.spmd import resolve_spmd_mesh, spmd_layout
 from ._registry import install_optimizer_guard, register_sharded, retire
 from ._settings import UnitSettings
 from ._state import UnitState, state_of
-from ._torch_clip import route_torch_clip_for_owned
-from ._torch_state_dict import route_torch_state_dict_for_owned
-from ._torch_whole import route_torch_whole_for_owned
+from ._owned_routes import route_torch_for_owned
 from ._unit import Unit
 from .policies import MixedPrecisionPolicy, OffloadPolicy
 
@@ -204,9 +202,7 @@ def _owners_of(taken: list, placements: list, info: MeshInfo, reshard_after_forw
     if refused:
         raise NotImplementedError(on_rank(f"fully_shard: parameter {first} is placed Owned() {refused[0]}; the owner placement keeps a plain parameter whole on a rank of a 1-D or hybrid mesh"))
     prepare_dtensor_rng(info)
-    route_torch_clip_for_owned()
-    route_torch_whole_for_owned()
-    route_torch_state_dict_for_owned()
+    route_torch_for_owned()
     return dict(zip(requests, choose_owners(list(requests.values()), info)))
 
 
