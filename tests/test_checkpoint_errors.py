@@ -95,8 +95,8 @@ CASES = [
     ("truncated", "gpt", {}, r"rank {rank}: .*truncated/__0_0\.distcp is truncated: \d+ bytes, the checkpoint index needs \d+"),
     ("flipped", "gpt", {}, r"flipped/__0_0\.distcp, key 'model\.tok\.weight': unreadable record \(ValueError: checksum mismatch"),
     ("no-index", "gpt", {}, r"rank {rank}: .*no-index/\.metadata is missing: .* not a complete checkpoint"),
-    ("garbage-index", "gpt", {}, r"rank {rank}: .*garbage-index/\.metadata: damaged checkpoint index"),
-    ("crafted-index", "gpt", {}, r"crafted-index/\.metadata: damaged checkpoint index .*refusing global (posix|os|nt)\.system"),
+    ("garbage-index", "gpt", {}, r"rank {rank}: .*garbage-index/\.metadata: unreadable checkpoint index"),
+    ("crafted-index", "gpt", {}, r"crafted-index/\.metadata: unreadable checkpoint index .*refusing global (posix|os|nt)\.system"),
     ("crafted-value", "gpt", {"extra": None}, r"crafted-value/__0_0\.distcp, key 'extra': unreadable record \(UnpicklingError: Weights only load failed"),
     ("missing", "gpt", {}, r"rank {rank}: .*missing: no such checkpoint directory"),
     ("other-vocab", "gpt", {}, r"rank {rank}: checkpoint .*other-vocab does not fit: model shapes differ: tok\.weight saved \(32, 32\), here \(64, 32\)"),
@@ -237,5 +237,5 @@ def test_saves_never_overwrite_and_partial_saves_are_never_latest(tmp_path):
     _save(state, tmp_path / "step-5")  # the stale partial is discarded, not mixed in
     assert checkpoint.latest_checkpoint(tmp_path) == tmp_path / "step-5"
     assert not (tmp_path / ".step-5.partial").exists()
-    assert sorted(p.name for p in (tmp_path / "step-5").iterdir()) == [".metadata", "__0_0.distcp"]
+    assert sorted(p.name for p in (tmp_path / "step-5").iterdir()) == [".metadata", ".sharded-versions.json", "__0_0.distcp"]
     assert checkpoint.latest_checkpoint(tmp_path / "nowhere") is None

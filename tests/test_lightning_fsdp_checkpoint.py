@@ -246,6 +246,6 @@ def test_what_two_processes_saved_resumes_at_one_exactly(launches):
 def test_a_crafted_checkpoint_is_refused_naming_the_file_without_running_code(launches, via, how):
     root, error = launches["root"], launches["one"][f"{via}/{how}"]
     assert not (root / f"ran-{via}-{how}.ckpt").exists(), f"loading {via}-{how}.ckpt ran code from it"
-    where = r"\.metadata: damaged checkpoint index" if how == "crafted-index" else r"crafted\.distcp, key '[^']+': unreadable record"
+    where = r"\.metadata: unreadable checkpoint index" if how == "crafted-index" else r"crafted\.distcp, key '[^']+': unreadable record"
     assert error.startswith("CheckpointError"), error
     assert re.search(rf"{via}-{how}\.ckpt/{where}", error), error

@@ -23,6 +23,7 @@ from .._common.errors import on_rank
 from ._fit_checks import CheckpointError
 from ._placeholders import without_placeholders
 from ._ranks import Ranks
+from ._versions import record_writer
 
 __all__ = ["latest_checkpoint", "save"]
 
@@ -99,6 +100,7 @@ def _publish(partial: Path, final: Path, rank: int) -> None:
     """On rank 0: the one atomic step that makes the checkpoint visible, made durable."""
     if rank != 0:
         return
+    record_writer(partial)
     os.rename(partial, final)
     directory = os.open(final.parent, os.O_RDONLY)
     try:

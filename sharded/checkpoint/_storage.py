@@ -32,6 +32,7 @@ from torch.futures import Future
 from .._common.errors import on_rank
 from ._fit_checks import CheckpointError
 from ._paths import KeyPath
+from ._versions import index_class, version_note
 
 __all__ = ["METADATA_FILE", "DataOnlyPlanner", "Index", "VerifyingReader", "read_index"]
 
@@ -98,7 +99,9 @@ def read_metadata(directory: Path) -> Metadata:
         with open(path, "rb") as stream:
             metadata = _IndexUnpickler(stream).load()
     except Exception as error:
-        raise CheckpointError(on_rank(f"{path}: damaged checkpoint index ({type(error).__name__}: {error})")) from error
+        raise CheckpointError(on_rank(
+            f"{path}: unreadable checkpoint index ({type(error).__name__}: {error}); {version_note(directory)}"
+        )) from error
     if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
         raise CheckpointError(on_rank(f"{path} is not a torch.distributed.checkpoint index"))
     _check_data_files(directory, metadata)
@@ -124,7 +127,7 @@ class _IndexUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if not _is_index_type(module, name):
             raise pickle.UnpicklingError(f"refusing global {module}.{name}: not part of a checkpoint index")
-        return super().find_class(module, name)
+        return index_class(super().find_class(module, name))
 
 
 def _is_index_type(module: str, name: str) -> bool:
