@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_leaves
 
 from ._common import comm
 from ._common.broadcast import PendingBroadcasts, plan_broadcasts, start_broadcasts
-from ._common.checks import check_same_across_ranks
+from ._common.checks import check_dense, check_no_sparse_grad_modules, check_same_across_ranks
 from ._common.errors import on_rank
 from ._common.flat import DEFAULT_BUCKET_NUMEL
 from ._common.norm import clip_by_global_norm
@@ -116,7 +116,8 @@ class ShardedDataParallel(nn.Module):
         self.require_backward_grad_sync = True
         self._sync_buffers_at_next_forward = True  # DDP's require_forward_param_sync
 
-        _check_no_sparse_gradients(module, self.rank)
+        check_dense(((f"parameter {n}", p) for n, p in module.named_parameters()), "ShardedDataParallel", self.rank)
+        check_no_sparse_grad_modules(module.named_modules(), "ShardedDataParallel", self.rank)
         check_same_across_ranks(
             list(module.named_parameters()) + list(module.named_buffers()),
             self.process_group,
@@ -387,20 +388,6 @@ def _let_dynamo_skip_forward() -> None:
     ShardedDataParallel.forward = torch.compiler.disable(  # type: ignore[method-assign]
         ShardedDataParallel.forward, recursive=False
     )
-
-
-def _check_no_sparse_gradients(module: nn.Module, rank: int) -> None:
-    """Refuse modules that produce sparse gradients, which reduce buckets cannot carry."""
-    for name, sub in module.named_modules():
-        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse:
-            raise ValueError(
-                on_rank(
-                    f"module {name or type(module).__name__} ({type(sub).__name__}) has "
-                    "sparse=True; ShardedDataParallel reduces dense gradients only. Build it with "
-                    "sparse=False, or use DistributedDataParallel, which reduces sparse gradients",
-                    rank,
-                )
-            )
 
 
 def _as_optimizer_list(
