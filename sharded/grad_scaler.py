@@ -4,6 +4,12 @@ A plain ``GradScaler`` decides to skip a step when *its* gradients hold an inf o
 sharded gradients each rank sees only its own shard, so ranks would disagree: some step (and
 join the parameter broadcast), others skip, and training desynchronises or hangs. This scaler
 takes the maximum of the found-inf flags over the process group, so every rank skips together.
+
+It stands where fairscale's ``ShardedGradScaler`` stood, so it is what fairscale's was: an instance
+of ``torch.cuda.amp.GradScaler`` (trainers annotate and check their scaler as that class), which
+by default scales on CUDA and, where there is no CUDA, disables itself with torch's warning
+(``is_enabled()`` False, scale 1.0). Scaling fp16 gradients on the CPU is an explicit choice,
+``device="cpu"``.
 """
 
 from __future__ import annotations
@@ -18,18 +24,23 @@ from ._common import comm
 __all__ = ["ShardedGradScaler"]
 
 
-class ShardedGradScaler(torch.amp.GradScaler):
-    """A ``torch.amp.GradScaler`` whose inf/NaN check is agreed across ranks.
+class ShardedGradScaler(torch.cuda.amp.GradScaler):
+    """A ``torch.cuda.amp.GradScaler`` whose inf/NaN check is agreed across ranks.
 
-    Use it exactly like ``torch.amp.GradScaler`` with ``OSS`` (with or without
-    ``ShardedDataParallel``): ``scale(loss).backward()``, ``step(optimizer)``, ``update()``.
+    Use it exactly like torch's scaler with ``OSS`` (with or without ``ShardedDataParallel``) or
+    ``fully_shard``: ``scale(loss).backward()``, ``step(optimizer)``, ``update()``. It is an
+    instance of ``torch.cuda.amp.GradScaler``, as fairscale's scaler was, and so of
+    ``torch.amp.GradScaler`` too; building it gives no deprecation warning (that warning is on
+    ``torch.cuda.amp.GradScaler``'s own constructor, which is not called).
 
     Args:
         init_scale, growth_factor, backoff_factor, growth_interval, enabled: as for
             ``torch.amp.GradScaler``.
         process_group: the group the optimizer shards over (default: the whole world).
-        device: the device type of the gradients, ``"cuda"`` or ``"cpu"`` (default: ``"cuda"``
-            when CUDA is available, else ``"cpu"``).
+        device: the device type of the gradients (default ``"cuda"``). As with torch's CUDA
+            scaler, ``"cuda"`` where CUDA is not available warns and disables the scaler
+            (``is_enabled()`` False, ``scale(loss)`` returns the loss, ``get_scale()`` 1.0);
+            pass ``device="cpu"`` to scale float16 gradients on the CPU.
     """
 
     def __init__(
@@ -40,11 +51,14 @@ class ShardedGradScaler(torch.amp.GradScaler):
         growth_interval: int = 2000,
         enabled: bool = True,
         process_group: Optional[dist.ProcessGroup] = None,
-        device: Optional[str] = None,
+        device: str = "cuda",
     ) -> None:
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        super().__init__(
+        if not isinstance(device, str):
+            raise TypeError(f"ShardedGradScaler(device=...) takes a device type such as 'cuda' or 'cpu', got {device!r}")
+        # torch.amp.GradScaler's constructor, not torch.cuda.amp.GradScaler's: that one only
+        # fixes the device to "cuda" and warns that it is deprecated.
+        torch.amp.GradScaler.__init__(
+            self,
             device,
             init_scale=init_scale,
             growth_factor=growth_factor,

@@ -20,13 +20,13 @@ from torch.utils._pytree import tree_leaves
 
 from ._common import comm
 from ._common.broadcast import PendingBroadcasts, plan_broadcasts, start_broadcasts
-from ._common.checks import check_same_across_ranks
+from ._common.checks import check_dense, check_no_sparse_grad_modules, check_same_across_ranks
 from ._common.errors import on_rank
 from ._common.flat import DEFAULT_BUCKET_NUMEL
-from ._common.norm import clip_by_global_norm
 from ._owners.compile_split import graph_splitter, split_bytes_for
 from ._owners.grad_router import BackwardStats, GradRouter
 from ._owners.param_waits import ParamWaits
+from ._owners.torch_clip import clip_owner_reduced_, register_owner_reduced
 from .oss import OSS
 
 __all__ = ["ShardedDataParallel"]
@@ -116,7 +116,8 @@ class ShardedDataParallel(nn.Module):
         self.require_backward_grad_sync = True
         self._sync_buffers_at_next_forward = True  # DDP's require_forward_param_sync
 
-        _check_no_sparse_gradients(module, self.rank)
+        check_dense(((f"parameter {n}", p) for n, p in module.named_parameters()), "ShardedDataParallel", self.rank)
+        check_no_sparse_grad_modules(module.named_modules(), "ShardedDataParallel", self.rank)
         check_same_across_ranks(
             list(module.named_parameters()) + list(module.named_buffers()),
             self.process_group,
@@ -127,6 +128,7 @@ class ShardedDataParallel(nn.Module):
         self._router = self._build_router()
         self._trainability = self._current_trainability()
         self._param_waits = ParamWaits(module, [o.broadcaster for o in self.sharded_optimizers]) if overlap_param_broadcast else None
+        register_owner_reduced(self)  # torch's clip_grad_norm_ over these parameters takes the global norm
 
     # --------------------------------------------------------------------------- forward
 
@@ -209,26 +211,23 @@ class ShardedDataParallel(nn.Module):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip the module's gradients by their global norm; return that norm. Collective.
 
-        Call it after backward, in place of ``torch.nn.utils.clip_grad_norm_``: after a
-        sharded backward each rank holds only its own gradients (the others are ``None``), so
-        torch's function would clip each rank by a partial norm. Here each rank's shard
-        contributes its share and the result equals torch's function on DDP.
+        After a sharded backward each rank holds only its own gradients (the others are
+        ``None``); here each rank's share counts once and the result equals torch's function on
+        DDP. ``torch.nn.utils.clip_grad_norm_`` over this wrapper's parameters is routed here too
+        (see :mod:`sharded._owners.torch_clip`).
         """
-        grads = self._grads_this_rank_answers_for()
-        device = next((p.device for p in self.module.parameters()), None)
-        return clip_by_global_norm(grads, max_norm, norm_type, self.process_group, error_if_nonfinite, result_device=device)
+        params = list(self.module.parameters())
+        return clip_owner_reduced_(
+            params, self.param_to_rank, self.process_group, self.rank, max_norm, norm_type, error_if_nonfinite
+        )
 
-    def _grads_this_rank_answers_for(self) -> list[torch.Tensor]:
-        """Gradients of the parameters this rank owns; rank 0 also answers for the parameters
-        no optimizer holds (replicated, so counted once)."""
+    @property
+    def param_to_rank(self) -> dict[torch.Tensor, int]:
+        """Parameter -> the rank its gradient is reduced to, which owns it (over every optimizer)."""
         owner_of: dict[torch.Tensor, int] = {}
         for optimizer in self.sharded_optimizers:
             owner_of.update(optimizer.param_to_rank)
-        return [
-            p.grad
-            for p in self.module.parameters()
-            if p.grad is not None and owner_of.get(p, 0) == self.rank
-        ]
+        return owner_of
 
     @property
     def backward_stats(self) -> Optional[BackwardStats]:
@@ -321,12 +320,9 @@ class ShardedDataParallel(nn.Module):
 
     def _build_router(self) -> GradRouter:
         trainable = self._trainable_params_covered_by_optimizers()
-        owner_of: dict[torch.Tensor, int] = {}
-        for optimizer in self.sharded_optimizers:
-            owner_of.update(optimizer.param_to_rank)
         return GradRouter(
             list(reversed(trainable)),  # first guess of the ready order; re-planned after one backward
-            owner_of,
+            self.param_to_rank,
             self.process_group,
             self.reduce_buffer_size,
             self.reduce_fp16,
@@ -387,20 +383,6 @@ def _let_dynamo_skip_forward() -> None:
     ShardedDataParallel.forward = torch.compiler.disable(  # type: ignore[method-assign]
         ShardedDataParallel.forward, recursive=False
     )
-
-
-def _check_no_sparse_gradients(module: nn.Module, rank: int) -> None:
-    """Refuse modules that produce sparse gradients, which reduce buckets cannot carry."""
-    for name, sub in module.named_modules():
-        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse:
-            raise ValueError(
-                on_rank(
-                    f"module {name or type(module).__name__} ({type(sub).__name__}) has "
-                    "sparse=True; ShardedDataParallel reduces dense gradients only. Build it with "
-                    "sparse=False, or use DistributedDataParallel, which reduces sparse gradients",
-                    rank,
-                )
-            )
 
 
 def _as_optimizer_list(

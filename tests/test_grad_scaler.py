@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import warnings
+from typing import Optional
+
 import pytest
 import torch
 from torch import nn
@@ -75,3 +78,53 @@ def _check_rank_without_parameters(rank, world):
 
 def test_a_rank_that_owns_nothing_steps_with_the_others():
     run_on_ranks(_check_rank_without_parameters, 3)
+
+
+def _consumer(scaler: Optional[torch.cuda.amp.GradScaler]) -> str:
+    """A trainer's check of its scaler argument, as fairscale-era trainers annotate it."""
+    if scaler is not None and not isinstance(scaler, torch.cuda.amp.GradScaler):
+        raise TypeError(f"scaler must be a torch.cuda.amp.GradScaler, got {type(scaler).__name__}")
+    return "amp" if scaler is not None and scaler.is_enabled() else "fp32"
+
+
+def test_the_scaler_is_a_cuda_grad_scaler_as_fairscales_was():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # torch.cuda.amp.GradScaler() warns deprecated
+        scaler = ShardedGradScaler(device="cpu")
+    assert isinstance(scaler, torch.cuda.amp.GradScaler) and isinstance(scaler, torch.amp.GradScaler)
+    assert _consumer(scaler) == "amp"
+    with pytest.raises(TypeError, match="torch.cuda.amp.GradScaler"):
+        _consumer(torch.amp.GradScaler("cpu"))
+
+
+def test_a_type_checked_consumer_takes_the_scaler():
+    typeguard = pytest.importorskip("typeguard")
+    typeguard.check_type(ShardedGradScaler(device="cpu"), Optional[torch.cuda.amp.GradScaler])
+    checked = typeguard.typechecked(_consumer)
+    assert checked(ShardedGradScaler(device="cpu")) == "amp"
+    with pytest.raises(typeguard.TypeCheckError):
+        checked(torch.amp.GradScaler("cpu"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the default device is CUDA, present here")
+def test_without_cuda_the_default_scaler_disables_itself_as_torchs():
+    with pytest.warns(UserWarning, match="CUDA is not available") as ours:
+        scaler = ShardedGradScaler()
+    with pytest.warns(UserWarning, match="CUDA is not available") as torchs:
+        reference = torch.amp.GradScaler("cuda")
+    assert [str(w.message) for w in ours] == [str(w.message) for w in torchs]
+    assert not scaler.is_enabled() and scaler.get_scale() == reference.get_scale() == 1.0
+    assert _consumer(scaler) == "fp32"
+    weight = nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([weight], lr=0.5)
+    loss = (weight * 2).sum()
+    assert scaler.scale(loss) is loss  # nothing scaled, as torch's disabled scaler
+    loss.backward()
+    scaler.step(optimizer)
+    scaler.update()
+    assert torch.equal(weight.detach(), torch.zeros(3)) and scaler.state_dict() == reference.state_dict() == {}
+
+
+def test_the_device_is_a_device_type():
+    with pytest.raises(TypeError, match="device type"):
+        ShardedGradScaler(device=torch.device("cpu"))  # type: ignore[arg-type]

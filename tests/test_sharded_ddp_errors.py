@@ -102,7 +102,7 @@ def test_held_sparse_and_graph_gradients_raise_before_they_are_reduced(world_siz
 
 def _check_gradients_that_cannot_be_reduced(rank, world):
     sparse = nn.Sequential(nn.Linear(4, 4), nn.Embedding(10, 4, sparse=True))
-    with pytest.raises(ValueError, match=rf"rank {rank}: module 1 \(Embedding\) has sparse=True.*DistributedDataParallel"):
+    with pytest.raises(ValueError, match=rf"rank {rank}: ShardedDataParallel: module 1 \(Embedding\) has sparse=True.*DistributedDataParallel"):
         ShardedDataParallel(sparse, OSS(sparse.parameters(), torch.optim.SGD, lr=0.1))
     model = _FunctionalSparse()
     sdp = ShardedDataParallel(model, OSS(model.parameters(), torch.optim.SGD, lr=0.1))

@@ -16,6 +16,7 @@
 - :mod:`.norm`: the one global gradient norm and clipping, for every stage.
 - :mod:`.optimizers`: what the layers need to know about a ``torch.optim`` class and its groups.
 - :mod:`.step_checks`: checks every optimizer step runs first, each installed once.
+- :mod:`.torch_routes`: torch's functions that a layer routes to its own, wrapped once per process.
 - :mod:`.step_cost`: what a whole-matrix optimizer's step costs per parameter (Muon's
   Newton–Schulz), which owner placements balance (``OSS``'s partition, layer 3's ``Owned``).
 """

@@ -10,15 +10,18 @@ and the ranks that differ.
 from __future__ import annotations
 
 import zlib
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
+from torch import nn
 
 from . import comm
 from .errors import on_rank
 
 __all__ = [
     "as_param_groups",
+    "check_dense",
+    "check_no_sparse_grad_modules",
     "check_optimizer_class",
     "check_param_list",
     "check_same_across_ranks",
@@ -93,6 +96,7 @@ def check_param_list(params: Sequence[object], where: str, rank: int) -> None:
                     rank,
                 )
             )
+        check_dense([(f"{name} (shape {tuple(p.shape)})", p)], "OSS", rank)
         if id(p) in seen:
             raise ValueError(
                 on_rank(
@@ -102,6 +106,42 @@ def check_param_list(params: Sequence[object], where: str, rank: int) -> None:
                 )
             )
         seen[id(p)] = i
+
+
+def check_dense(named: Iterable[tuple[str, torch.Tensor]], who: str, rank: Optional[int] = None) -> None:
+    """Raise ``ValueError`` naming the first sparse tensor of ``named``: ``(name, tensor)`` pairs,
+    each name saying which parameter it is (``"parameter embed.weight"``).
+
+    Every layer lays parameters into flat buffers (owner broadcasts, reduce buckets, shards),
+    which hold strided storage only; a sparse parameter, trainable or frozen, is refused when
+    the layer is built instead of failing in torch's internals at the first collective (torch's
+    ZeroRedundancyOptimizer refuses them with a ``ValueError`` too). ``who`` names the layer.
+    """
+    for name, tensor in named:
+        if tensor.layout != torch.strided:
+            raise ValueError(on_rank(
+                f"{who}: {name} is a sparse tensor (layout {tensor.layout}); sharded shards dense parameters "
+                "only. Make it dense (nn.Parameter(p.to_dense())), or keep it out of the sharded "
+                "model and optimizer",
+                rank,
+            ))
+
+
+def check_no_sparse_grad_modules(
+    named_modules: Iterable[tuple[str, nn.Module]], who: str, rank: Optional[int] = None
+) -> None:
+    """Raise ``ValueError`` naming the first of ``named_modules`` known to produce sparse
+    gradients for its dense weight (``nn.Embedding`` / ``nn.EmbeddingBag`` with ``sparse=True``,
+    trainable): no reduce can carry them. Gradients made sparse any other way are refused where
+    they are reduced."""
+    for name, sub in named_modules:
+        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse and sub.weight.requires_grad:
+            raise ValueError(on_rank(
+                f"{who}: module {name or 'the root'} ({type(sub).__name__}) has sparse=True, so its "
+                f"weight gets sparse gradients; {who} reduces dense gradients only. Build it with sparse=False, "
+                "or use DistributedDataParallel, which reduces sparse gradients",
+                rank,
+            ))
 
 
 def check_same_across_ranks(

@@ -114,6 +114,7 @@ def clip_by_global_norm(
     error_if_nonfinite: bool = False,
     clip: Optional[Sequence[torch.Tensor]] = None,
     result_device: Optional[torch.device] = None,
+    foreach: Optional[bool] = False,
 ) -> torch.Tensor:
     """Scale ``grads`` (this rank's disjoint part of all gradients) in place so that the global
     ``norm_type``-norm over ``group`` is at most ``max_norm``.
@@ -127,9 +128,9 @@ def clip_by_global_norm(
     ranks combine it where the backend needs (gloo: the CPU).
     """
     norm_type = float(norm_type)
-    term = norm_term(grads, norm_type, comm.comm_device(group))
+    term = norm_term(grads, norm_type, comm.comm_device(group), foreach)
     total = total_norm([all_reduce_term(term, group, norm_type)], norm_type)
     scaled = grads if clip is None else clip
-    scale_by_norm_(scaled, total, max_norm, norm_type, error_if_nonfinite)
+    scale_by_norm_(scaled, total, max_norm, norm_type, error_if_nonfinite, foreach)
     device = result_device or next((g.device for g in scaled), None)
     return total if device is None else total.to(device)

@@ -17,6 +17,8 @@
   buckets, the parameters living in them, and the waits).
 - :mod:`.param_waits`: hooks that wait for an updated parameter's broadcast just before use.
 - :mod:`.compile_split`: splitting a compiled graph where a reduce bucket ends.
+- :mod:`.torch_clip`: torch's ``clip_grad_norm_`` over a ``ShardedDataParallel``'s parameters
+  routed to the global norm (the norm every rank's owned gradients make together).
 
 The public modules on top are :mod:`sharded.oss` and :mod:`sharded.sharded_ddp`.
 """

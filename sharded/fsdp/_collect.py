@@ -8,6 +8,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from .._common.checks import check_dense, check_no_sparse_grad_modules
 from .._common.errors import on_rank
 from ._registry import replaced_as, unit_owning
 from ._unit import unit_of
@@ -45,6 +46,8 @@ def collect_unit_params(modules: list[nn.Module], ignored: set[int]) -> list[Uni
     for index, module in enumerate(modules):
         start = "" if len(modules) == 1 else f"{index}."
         for prefix, sub in modules_outside_units(module, start, seen):
+            if id(getattr(sub, "weight", None)) not in ignored:  # an ignored embedding is the user's to reduce
+                check_no_sparse_grad_modules([(prefix.rstrip(".") or where, sub)], f"fully_shard({where})")
             for attr, param in sub._parameters.items():
                 if param is None or id(param) in ignored:
                     continue
@@ -84,6 +87,7 @@ def _check_can_take(param: nn.Parameter, name: str, where: str) -> None:
             "A shared (tied) parameter must belong to one unit: call fully_shard on a module holding every "
             "use of it (their common ancestor), not on the submodule alone"
         ))
+    check_dense([(f"parameter {name}", param)], f"fully_shard({where})")
     if param.dtype not in SUPPORTED_DTYPES:
         raise TypeError(on_rank(
             f"fully_shard({where}): parameter {name} has dtype {param.dtype}; supported are "

@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from .._common.dtensors import held_here
+from .._common.errors import on_rank
 from ._placement.dtensor import DTensorLayout, shard_as_dtensor
 
 __all__ = ["ShardGeometry", "ShardedParam"]
@@ -270,6 +271,11 @@ class ShardedParam:
         in ``dtype``; a lone ``.grad`` keeps its own, as the reduce-scatter casts while it packs
         (a cast here would copy every gradient once more)."""
         grad = self.unsharded.grad if self.unsharded is not None else None
+        if grad is not None and grad.layout != torch.strided:
+            raise RuntimeError(on_rank(
+                f"parameter {self.fqn} got a sparse gradient ({grad.layout}); fully_shard reduce-scatters dense "
+                "gradients only. Use sparse=False on the embedding (F.embedding(..., sparse=False)), or "
+                "DistributedDataParallel for sparse gradients"))
         if self.unsharded is not None:
             self.unsharded.grad = None
         if grad is not None and self.layout is not None:
