@@ -17,6 +17,8 @@
   buckets, the parameters living in them, and the waits).
 - :mod:`.param_waits`: hooks that wait for an updated parameter's broadcast just before use.
 - :mod:`.compile_split`: splitting a compiled graph where a reduce bucket ends.
+- :mod:`.ddp_overlap`: under DDP, each bucket's owned parameters stepped and sent as that
+  bucket's all-reduce finishes (``OSS(overlap_with_ddp=True)``).
 
 The public modules on top are :mod:`sharded.oss` and :mod:`sharded.sharded_ddp`.
 """
