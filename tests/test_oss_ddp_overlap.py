@@ -160,6 +160,24 @@ def _loops_without_step_and_with_frozen_and_groups(rank, world_size):
         _assert_equal(model, ref_model, f"param groups and a frozen parameter, step {step}")
     assert_same_on_all_ranks([p.detach() for p in model.parameters()], "frozen parameter")
 
+    # Gradients as views of DDP's buckets, and DDP's static graph, on both sides.
+    sides = []
+    for overlap in (False, True):
+        model = gpt()
+        ddp = DDP(model, bucket_cap_mb=BUCKET_MB, gradient_as_bucket_view=True, static_graph=True)
+        optim_class, hyper = OPTIMIZERS["adamw"]
+        if overlap:
+            opt = OSS(model.parameters(), optim_class, overlap_with_ddp=True, **hyper)
+            ddp.register_comm_hook(None, sharded.hook_with_zero_step_interleaved(HOOKS["allreduce"], ddp, opt))
+        else:
+            opt = optim_class(model.parameters(), **hyper)
+            ddp.register_comm_hook(None, HOOKS["allreduce"])
+        sides.append((model, ddp, opt))
+    for step in range(STEPS):
+        for _, d, o in sides:
+            _train_step(d, o, rank, step)
+        _assert_equal(sides[1][0], sides[0][0], f"gradient_as_bucket_view and static_graph, step {step}")
+
     # no_sync() accumulation: the synced backward steps; step() after it steps nothing twice.
     ref_model, ref_ddp, ref_opt = _reference("allreduce", "sgd")
     model, ddp, zero = _overlapped("allreduce", "sgd", "step")
@@ -175,6 +193,8 @@ def _loops_without_step_and_with_frozen_and_groups(rank, world_size):
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_torch_style_loop_frozen_parameter_groups_and_no_sync_equal_ddp(world_size):
+    """torch's loop without step(), two param groups and a frozen parameter holding a gradient,
+    gradient_as_bucket_view with static_graph, and no_sync() accumulation."""
     run_on_ranks(_loops_without_step_and_with_frozen_and_groups, world_size, timeout=120)
 
 
