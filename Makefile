@@ -46,7 +46,7 @@ $(VENV)/.bench-installed: $(VENV)/.installed setup.cfg
 	touch $@
 
 # Several launches: all twenty implementations' 40M models at once need more memory than 24 GiB.
-LAYERS_12 := ideal,ddp,torch_zero,fairscale,zero1,zero2,zero2_overlap,zero2_static,zero2_fp16,zero2_compile,zero2_unused,ds_zero1,ds_zero2
+LAYERS_12 := ideal,ddp,torch_zero,fairscale,zero1,zero1_overlap,zero1_overlap_interleaved,zero2,zero2_overlap,zero2_static,zero2_fp16,zero2_compile,zero2_unused,ds_zero1,ds_zero2
 LAYER_3 := ideal,ddp,fsdp2,fsdp2_no_reshard,fsdp1,zero3,zero3_grad_op,ds_zero3,fsdp2_compile,zero3_compile
 # Muon over the blocks' matrices (10m only: Newton-Schulz in bf16 on the CPU is slow at 40m)
 MUON := ddp_muon,zero2_muon,fsdp2_muon,zero3_muon

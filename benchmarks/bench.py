@@ -53,6 +53,13 @@ layer-3 rows, not in ``make bench``'s list, run FSDP2 users' compile recipe (``b
 every block, then ``fully_shard`` each block and the root): ``fsdp2_compile`` (torch's) and
 ``zero3_compile`` (ours).
 
+Two ZeRO-1 rows step the optimizer inside DDP's backward (``OSS(overlap_with_ddp=True)``, issue
+38): ``zero1_overlap`` through ``sharded.hook_with_zero_step`` (each owner steps every bucket once
+the last one is handed over) and ``zero1_overlap_interleaved`` through
+``sharded.hook_with_zero_step_interleaved`` (each bucket one bucket later, during the backward),
+both over torch's ``allreduce_hook`` and DDP's default buckets; compare them with ``zero1``. Their
+``optim ms`` is what ``step()`` has left to do, nearly nothing.
+
 The ``ds_zero1/2/3`` rows are DeepSpeed's ZeRO (``pip install -e '.[bench]'``): fp32, torch's Adam,
 ``zero_optimization.stage`` 1, 2, 3, no gradient clipping, on its CPU accelerator
 (``DS_ACCELERATOR=cpu``, set here when CUDA is absent). Its first start on a machine compiles
@@ -98,6 +105,8 @@ IMPLS = {
     "torch_zero": "torch ZeroRedundancyOptimizer + DDP",
     "fairscale": "fairscale OSS + ShardedDDP",
     "zero1": "sharded OSS + DDP",
+    "zero1_overlap": "sharded OSS + DDP, step in backward",
+    "zero1_overlap_interleaved": "sharded OSS + DDP, step interleaved",
     "zero2": "sharded OSS + ShardedDDP",
     "zero2_overlap": "sharded OSS + SDP, overlapped broadcast",
     "zero2_static": "sharded OSS + SDP, static graph",
@@ -122,6 +131,8 @@ IMPLS = {
 }
 SHORT_NAMES = {"ddp": "DDP", "torch_zero": "torch ZeRO\n+ DDP", "fairscale": "fairscale\nOSS + SDP",
                "zero1": "sharded\nOSS + DDP", "zero2": "sharded\nOSS + SDP",
+               "zero1_overlap": "sharded OSS + DDP\nstep in backward",
+               "zero1_overlap_interleaved": "sharded OSS + DDP\nstep interleaved",
                "zero2_fp16": "sharded SDP\nfp16 wire", "ideal": "ideal", "zero2_overlap": "sharded SDP\noverlap bcast",
                "zero2_static": "sharded SDP\nstatic graph",
                "zero2_compile": "sharded SDP\ncompile", "zero2_unused": "sharded SDP\nunused param",
@@ -200,6 +211,8 @@ def build(impl: str, model: nn.Module):
         opt = FairscaleOSS(params, torch.optim.Adam, lr=LR)
         # fairscale 0.4.13 computes wrong gradients with set_to_none=True and buckets on
         return FairscaleSDP(model, opt), opt, False, opt.optim
+    if impl.startswith("zero1_overlap"):
+        return build_zero1_overlap(impl, model)
     from sharded import OSS, ShardedDataParallel
 
     fp16_wire = impl == "zero2_fp16"
@@ -211,6 +224,20 @@ def build(impl: str, model: nn.Module):
     overlap, static = impl == "zero2_overlap", impl == "zero2_static"
     wrapped = ShardedDataParallel(model, opt, reduce_fp16=fp16_wire, overlap_param_broadcast=overlap, static_graph=static)
     return wrapped, opt, True, opt.optim
+
+
+def build_zero1_overlap(impl: str, model: nn.Module):
+    """ZeRO-1 whose step runs in DDP's backward, bucket by bucket, over torch's all-reduce hook."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    import sharded
+
+    opt = sharded.OSS(model.parameters(), torch.optim.Adam, lr=LR, overlap_with_ddp=True)
+    ddp = DDP(model)
+    interleaved = impl == "zero1_overlap_interleaved"
+    drive = sharded.hook_with_zero_step_interleaved if interleaved else sharded.hook_with_zero_step
+    ddp.register_comm_hook(None, drive(allreduce_hook, ddp, opt))
+    return ddp, opt, True, opt.optim
 
 
 def build_fully_sharded(impl: str, model: nn.Module):

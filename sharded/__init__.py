@@ -21,6 +21,7 @@ from . import checkpoint
 from .grad_scaler import ShardedGradScaler
 from .oss import OSS
 from .sharded_ddp import ShardedDataParallel
+from .ddp_zero_hook import hook_with_zero_step, hook_with_zero_step_interleaved
 from ._memory.estimate import MemoryEstimate, estimate_memory
 from ._common.step_cost import newton_schulz_cost
 from .fsdp import __getattr__ as _fsdp_getattr
@@ -31,6 +32,8 @@ __all__ = [
     "OSS",
     "ShardedDataParallel",
     "ShardedGradScaler",
+    "hook_with_zero_step",
+    "hook_with_zero_step_interleaved",
     "fully_shard",
     "FullyShardedDataParallel",
     "use_for_torch_fsdp",

@@ -24,6 +24,7 @@ from ._common.flat import DEFAULT_BUCKET_NUMEL
 from ._common.norm import clip_by_global_norm
 from ._common.optimizers import hyperparams
 from ._owners.broadcaster import ParamBroadcaster
+from ._owners.ddp_overlap import PARTITION_CHANGED_UNDER_HOOK, TORCH_HOOKS_REFUSED, BucketSteps, step_only
 from ._owners.optim_state import consolidated_state_dict, restore_state, snapshot_shard, states_by_param
 from ._owners.partition import Balance, Partition
 from ._owners.step_cost import ParamCost, bytes_cost, default_param_cost, param_costs
@@ -85,6 +86,16 @@ class OSS(Optimizer):
             It must give every rank the same numbers (compute it from shapes, not values).
             Default: Newton-Schulz cost if ``optim`` is (a subclass of) ``torch.optim.Muon``,
             else the parameter's bytes.
+        overlap_with_ddp: keyword-only: step each DDP bucket's owned parameters during the
+            backward, as soon as that bucket's all-reduce has finished, and send them while the
+            backward goes on (torch's ``ZeroRedundancyOptimizer`` option). Register the hook that
+            drives it on the DDP model: ``ddp.register_comm_hook(None,
+            sharded.hook_with_zero_step(allreduce_hook, ddp, optimizer))``. ``step()`` then steps
+            only what no bucket held (frozen parameters with a gradient) and returns; without a
+            hook, or after a backward under ``no_sync()``, it is the usual step. Results are those
+            of DDP with the same hook and the plain optimizer from the first step on. The wrapped
+            optimizer must step each parameter on its own (torch's optimizers but LBFGS do), and
+            clipping or gradient scaling cannot run between the backward and this step.
         **defaults: hyperparameters for ``optim`` (``lr``, ``momentum``, ...).
     """
 
@@ -100,6 +111,7 @@ class OSS(Optimizer):
         force_broadcast_object: bool = False,
         *,
         param_cost: Optional[ParamCost] = None,
+        overlap_with_ddp: bool = False,
         **defaults: Any,
     ) -> None:
         check_optimizer_class(optim)
@@ -120,6 +132,8 @@ class OSS(Optimizer):
             raise TypeError(on_rank(f"param_cost must be a function of a parameter, got {param_cost!r:.80}", self.rank))
         # What the partition balances (see the class docstring); also used by add_param_group.
         self.param_cost: ParamCost = param_cost if param_cost is not None else default_param_cost(optim)
+        # The steps a DDP comm hook runs bucket by bucket (sharded.hook_with_zero_step), if asked.
+        self._bucket_steps = self._bucket_steps_for() if overlap_with_ddp else None
 
         super().__init__(as_param_groups(params, self.rank), defaults)
         self._check_same_params_on_all_ranks()
@@ -199,7 +213,15 @@ class OSS(Optimizer):
         """Step the local shard, then bring every rank's parameters up to date.
 
         Collective: every rank must call it. Extra arguments go to the wrapped ``step()``.
+        With ``overlap_with_ddp=True``, after a backward whose DDP hook stepped the buckets, only
+        the parameters no bucket held are stepped (a closure is evaluated first: its backward
+        is the one that counts).
         """
+        if self._bucket_steps is not None:
+            return self._step_after_overlapped_backward(self._bucket_steps, closure, *args, **kwargs)
+        return self._step_and_broadcast(closure, *args, **kwargs)
+
+    def _step_and_broadcast(self, closure: Optional[Callable[[], Any]], *args: Any, **kwargs: Any) -> Any:
         self.wait_for_params()
         if not self._partition.is_current():
             self._warn_trainability_changed_once()
@@ -231,6 +253,56 @@ class OSS(Optimizer):
         self.optim.step(*args, **kwargs)
         return loss
 
+    # ------------------------------------------------------------- overlap with DDP
+
+    def _bucket_steps_for(self) -> BucketSteps:
+        return BucketSteps(
+            self.group,
+            self._step_with,
+            bucket_numel=lambda: self.broadcaster.bucket_numel,
+            wire_dtype=lambda: torch.float16 if self.broadcaster.wire_fp16 else None,
+        )
+
+    def _step_after_overlapped_backward(
+        self, steps: BucketSteps, closure: Optional[Callable[[], Any]], *args: Any, **kwargs: Any
+    ) -> Any:
+        """``step()`` with ``overlap_with_ddp=True``: the usual step unless the backward's DDP
+        hook stepped the buckets, in which case only the parameters no bucket held are left."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not steps.take_stepped_backward():
+            steps.warn_if_unhooked_once()
+            self._step_and_broadcast(None, *args, **kwargs)
+            return loss
+        if args or kwargs:
+            raise TypeError(
+                on_rank(
+                    f"step() arguments {list(args) + sorted(kwargs)} cannot reach {type(self.optim).__name__}: "
+                    "its step ran during the backward (overlap_with_ddp=True)",
+                    self.rank,
+                )
+            )
+        steps.step_the_rest()
+        return loss
+
+    def _step_with(self, grads: dict[torch.Tensor, torch.Tensor]) -> None:
+        """Step only the owned parameters in ``grads``, each with the gradient given there."""
+        if grads and not self._partition.is_current():
+            raise RuntimeError(on_rank(PARTITION_CHANGED_UNDER_HOOK, self.rank))
+        if grads:
+            self._consolidated = None
+            self._push_hyperparams()
+            step_only(self.optim, grads)
+            self._pull_hyperparams()
+
+    @property
+    def _overlap_with_ddp(self) -> bool:
+        """What torch's ``ddp_zero_hook`` functions read first: they drive torch's class through
+        its private state, so they are refused here, with a message naming ours."""
+        raise AttributeError(TORCH_HOOKS_REFUSED)
+
     def clip_grad_norm(
         self,
         max_norm: float,
@@ -247,6 +319,14 @@ class OSS(Optimizer):
         clipped by that norm. ``error_if_nonfinite`` raises, before scaling, if the norm is inf
         or NaN (as torch's).
         """
+        if self._bucket_steps is not None and self._bucket_steps.stepped_backward:
+            raise RuntimeError(
+                on_rank(
+                    "the last backward already stepped the parameters (overlap_with_ddp=True): "
+                    "clipping their gradients now would change nothing",
+                    self.rank,
+                )
+            )
         params = [self._partition.params[i] for i in self._partition.owned_indices(self.rank)]
         grads = [p.grad for p in params if p.grad is not None]
         device = self._partition.params[0].device if self._partition.params else None
@@ -295,6 +375,8 @@ class OSS(Optimizer):
         """Make ``partition`` current: the inner optimizer's param lists and the broadcast plan."""
         self._partition = partition
         self._warn_if_imbalanced_once(partition)
+        if self._bucket_steps is not None:
+            self._bucket_steps.plan(partition)
         for inner, mine in zip(self.optim.param_groups, partition.owned_by_group(self.rank)):
             inner["params"] = mine
         self.broadcaster.plan(partition)

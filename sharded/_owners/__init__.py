@@ -19,6 +19,8 @@
 - :mod:`.compile_split`: splitting a compiled graph where a reduce bucket ends.
 - :mod:`.torch_clip`: torch's ``clip_grad_norm_`` over a ``ShardedDataParallel``'s parameters
   routed to the global norm (the norm every rank's owned gradients make together).
+- :mod:`.ddp_overlap`: under DDP, each bucket's owned parameters stepped and sent as that
+  bucket's all-reduce finishes (``OSS(overlap_with_ddp=True)``).
 
 The public modules on top are :mod:`sharded.oss` and :mod:`sharded.sharded_ddp`.
 """
