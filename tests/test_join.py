@@ -1,0 +1,159 @@
+"""Uneven inputs: ranks with different numbers of batches under torch's ``Join``.
+
+Rank r trains on 3 + r batches. ``ShardedDataParallel`` + ``OSS`` (under ``model.join()`` or
+``Join([model, optimizer])``) must give the parameters and buffers of DDP + the plain optimizer
+under DDP's ``join()``, bit for bit; ``OSS`` beside torch's DDP under ``Join([ddp, optimizer])``
+must give torch's ``ZeroRedundancyOptimizer``'s numbers in the same run. At world 3 every rank
+trains on rank 0's batches (the first 3 + r of them), so that the sums are exact in any order
+(tests/_exact_sums.py); the joined ranks' zeros keep them exact (``a + a + 0``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.algorithms.join import Join
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from sharded import OSS, ShardedDataParallel
+from tests._device import on_test_device
+from tests._exact_sums import batch_rank
+from tests._harness import run_on_ranks
+from tests._models import mlp, mlp_batch, mlp_loss
+
+SGD = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01})
+ADAMW = (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1})
+
+
+def _batches(rank: int, world: int, per_step: int = 1) -> list:
+    """Batches for 3 + rank steps of ``per_step`` each; at world 3 rank 0's sequence (see the
+    module docstring)."""
+    return [mlp_batch(batch_rank(rank, world), i) for i in range((3 + rank) * per_step)]
+
+
+def _bn_mlp() -> nn.Module:
+    """An MLP with a BatchNorm, whose running statistics the forward broadcasts."""
+    torch.manual_seed(1)
+    return on_test_device(nn.Sequential(nn.Linear(12, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3)))
+
+
+def _train(model: nn.Module, optimizers: list, batches: list, accumulate: int = 1, zero_first: bool = False) -> None:
+    """One step per ``accumulate`` batches, the first ``accumulate - 1`` of each inside no_sync;
+    gradients zeroed after each step, or before each step's first backward (``zero_first``:
+    a rank then runs out of data holding its last gradients)."""
+    for i, batch in enumerate(batches):
+        last_of_step = (i + 1) % accumulate == 0
+        if zero_first and i % accumulate == 0:
+            for optimizer in optimizers:
+                optimizer.zero_grad()
+        if last_of_step:
+            mlp_loss(model, batch).backward()
+        else:
+            with model.no_sync():
+                mlp_loss(model, batch).backward()
+        if last_of_step:
+            for optimizer in optimizers:
+                optimizer.step()
+                if not zero_first:
+                    optimizer.zero_grad()
+
+
+def _state(model: nn.Module) -> list[torch.Tensor]:
+    return [t.detach().clone() for t in list(model.parameters()) + list(model.buffers())]
+
+
+def _assert_equal(got: list[torch.Tensor], want: list[torch.Tensor], what: str) -> None:
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g, w), f"{what}: tensor {i} differs by {(g - w).abs().max().item():.3e}"
+
+
+def _ddp_join_reference(build, optim, batches, accumulate, divide_by_initial_world_size, zero_first):
+    model = DDP(build())
+    optimizer = optim[0](model.parameters(), **optim[1])
+    with model.join(divide_by_initial_world_size=divide_by_initial_world_size):
+        _train(model, [optimizer], batches, accumulate, zero_first)
+    return _state(model.module)
+
+
+def _check_sharded_ddp_matches_ddp_join(rank, world):
+    cases = [  # name, model, optimizer, batches per step, divide_by_initial_world_size, zero_first
+        ("Join([model, oss])", _bn_mlp, SGD, 1, True, False),
+        ("model.join(), zero_grad() first", _bn_mlp, ADAMW, 1, True, True),
+        ("model.join(divide_by_initial_world_size=False)", mlp, SGD, 1, False, False),
+        ("model.join() with no_sync, zero_grad() first", mlp, ADAMW, 2, True, True),
+    ]
+    for name, build, optim, accumulate, by_initial, zero_first in cases:
+        batches = _batches(rank, world, accumulate)
+        want = _ddp_join_reference(build, optim, batches, accumulate, by_initial, zero_first)
+        model = build()
+        optimizer = OSS(model.parameters(), optim[0], **optim[1])
+        sdp = ShardedDataParallel(model, optimizer)
+        context = Join([sdp, optimizer]) if name.startswith("Join") else sdp.join(by_initial)
+        with context:
+            _train(sdp, [optimizer], batches, accumulate, zero_first)
+        _assert_equal(_state(model), want, f"{name}, {optim[0].__name__}, rank {rank}")
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_sharded_ddp_and_oss_under_join_give_ddp_join_numbers(world_size):
+    run_on_ranks(_check_sharded_ddp_matches_ddp_join, world_size, timeout=180)
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def _check_oss_beside_ddp_matches_torch_zero(rank, world):
+    batches = _batches(rank, world)
+    records = _Records()
+    logging.getLogger("sharded._owners.join_hooks").addHandler(records)
+    for optim in (SGD, ADAMW):
+        results = []
+        for optimizer_class in (ZeroRedundancyOptimizer, OSS):
+            model = DDP(mlp())
+            if optimizer_class is OSS:
+                optimizer = OSS(model.parameters(), optim[0], **optim[1])
+                owners = [optimizer.param_to_rank[p] for p in model.parameters()]
+            else:
+                optimizer = ZeroRedundancyOptimizer(model.parameters(), optim[0], **optim[1])
+                torch_owners = [optimizer._param_to_rank[p] for p in model.parameters()]
+            with Join([model, optimizer]):
+                _train(model, [optimizer], batches)
+            results.append(_state(model.module))
+        assert owners == torch_owners, "the comparison needs torch's partition"  # else other parameters step
+        _assert_equal(results[1], results[0], f"OSS against ZeroRedundancyOptimizer, {optim[0].__name__}")
+    joined_early = world > 1 and rank < world - 1
+    assert len(records.messages) == (2 if joined_early else 0), records.messages
+    assert all(f"rank {rank}: out of data under Join" in m for m in records.messages)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_oss_beside_ddp_under_join_gives_torch_zero_redundancy_optimizer_numbers(world_size):
+    run_on_ranks(_check_oss_beside_ddp_matches_torch_zero, world_size, timeout=180)
+
+
+def _check_misuse_raises(rank, world):
+    model = mlp()
+    optimizer = OSS(model.parameters(), torch.optim.SGD, lr=0.1)
+    sdp = ShardedDataParallel(model, optimizer)
+    with pytest.raises(ValueError, match=rf"rank {rank}: ShardedDataParallel must be the first joinable"):
+        with Join([optimizer, sdp]):
+            _train(sdp, [optimizer], _batches(rank, world))
+    # throw_on_early_termination: torch's Join raises on every rank once one runs out of data
+    expected = rf"Rank {rank} exhausted all inputs" if rank == 0 else "Detected at least one rank that exhausted inputs"
+    with pytest.raises(RuntimeError, match=expected):
+        with sdp.join(throw_on_early_termination=True):
+            _train(sdp, [optimizer], _batches(rank, world))
+
+
+def test_wrong_join_order_and_early_termination_raise_on_every_rank():
+    run_on_ranks(_check_misuse_raises, 2)
