@@ -361,7 +361,7 @@ class ShardedDataParallel(nn.Module, Joinable):
         pending.wait()
         return None
 
-    def sync_buffers_from(self, src: int) -> None:
+    def _sync_buffers_from(self, src: int) -> None:
         """Broadcast the module's buffers from rank ``src`` and wait. Collective."""
         self._start_broadcast_from(src, list(self.module.buffers())).wait()
 

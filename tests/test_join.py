@@ -85,13 +85,14 @@ def _check_sharded_ddp_matches_ddp_join(rank, world):
         ("model.join(), zero_grad() first", _bn_mlp, ADAMW, 1, True, True),
         ("model.join(divide_by_initial_world_size=False)", mlp, SGD, 1, False, False),
         ("model.join() with no_sync, zero_grad() first", mlp, ADAMW, 2, True, True),
+        ("model.join(), static_graph=True", mlp, ADAMW, 1, True, False),
     ]
     for name, build, optim, accumulate, by_initial, zero_first in cases:
         batches = _batches(rank, world, accumulate)
         want = _ddp_join_reference(build, optim, batches, accumulate, by_initial, zero_first)
         model = build()
         optimizer = OSS(model.parameters(), optim[0], **optim[1])
-        sdp = ShardedDataParallel(model, optimizer)
+        sdp = ShardedDataParallel(model, optimizer, static_graph="static_graph" in name)
         context = Join([sdp, optimizer]) if name.startswith("Join") else sdp.join(by_initial)
         with context:
             _train(sdp, [optimizer], batches, accumulate, zero_first)

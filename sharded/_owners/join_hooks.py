@@ -58,19 +58,17 @@ class JoiningModel(Protocol):
     world_size: int
     broadcast_buffers: bool
     require_backward_grad_sync: bool
+    _sync_buffers_at_next_forward: bool
+    _join_config: Any
+    _divide_by_initial_world_size: bool
+    _router: Any
 
     @property
     def sharded_optimizers(self) -> Sequence[SteppedOptimizer]: ...
 
-    _sync_buffers_at_next_forward: bool
-    _join_config: Any
-    _divide_by_initial_world_size: bool
-
-    _router: Any
-
     def buffers(self) -> Iterable[torch.Tensor]: ...
 
-    def sync_buffers_from(self, src: int) -> None: ...
+    def _sync_buffers_from(self, src: int) -> None: ...
 
 
 class OptimizerJoinHook(JoinHook):
@@ -85,10 +83,10 @@ class OptimizerJoinHook(JoinHook):
         """Step, unless a ``ShardedDataParallel``'s hook in a ``Join`` steps this optimizer."""
         if _driver_of(self.optimizer) is not None:
             return
-        self._warn_once_if_stepping_with_held_gradients()
+        self._warn_once_that_gradients_are_not_averaged()
         _step_without_notifying(self.optimizer)
 
-    def _warn_once_if_stepping_with_held_gradients(self) -> None:
+    def _warn_once_that_gradients_are_not_averaged(self) -> None:
         if self._warned:
             return
         self._warned = True
@@ -138,7 +136,7 @@ class ModelJoinHook(JoinHook):
         """Every rank has left: take the buffers of the last to leave (DDP's final sync)."""
         model = self.model
         if model.broadcast_buffers and _has_buffers(model):
-            model.sync_buffers_from(_agreed_source(is_last_joiner, model.rank, model.process_group))
+            model._sync_buffers_from(_agreed_source(is_last_joiner, model.rank, model.process_group))
 
 
 def before_forward_under_join(model: JoiningModel) -> None:
@@ -186,7 +184,7 @@ def _sync_buffers_under_join(model: JoiningModel, still_training: bool) -> None:
     """The forward's buffer broadcast, from the highest rank still training (rank 0 may have
     left, its buffers stale), as DDP's join does."""
     if model.broadcast_buffers and model._sync_buffers_at_next_forward and _has_buffers(model):
-        model.sync_buffers_from(_agreed_source(still_training, model.rank, model.process_group))
+        model._sync_buffers_from(_agreed_source(still_training, model.rank, model.process_group))
 
 
 def _has_buffers(model: JoiningModel) -> bool:
