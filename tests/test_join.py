@@ -1,6 +1,6 @@
 """Uneven inputs: ranks with different numbers of batches under torch's ``Join``.
 
-Rank r trains on 3 + r batches. ``ShardedDataParallel`` + ``OSS`` (under ``model.join()`` or
+Rank r trains on 3 + r batches (0 + r in one case). ``ShardedDataParallel`` + ``OSS`` (under ``model.join()`` or
 ``Join([model, optimizer])``) must give the parameters and buffers of DDP + the plain optimizer
 under DDP's ``join()``, bit for bit; ``OSS`` beside torch's DDP under ``Join([ddp, optimizer])``
 must give torch's ``ZeroRedundancyOptimizer``'s numbers in the same run. At world 3 every rank
@@ -11,6 +11,7 @@ trains on rank 0's batches (the first 3 + r of them), so that the sums are exact
 from __future__ import annotations
 
 import logging
+from typing import Callable, NamedTuple
 
 import pytest
 import torch
@@ -29,10 +30,10 @@ SGD = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01})
 ADAMW = (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1})
 
 
-def _batches(rank: int, world: int, per_step: int = 1) -> list:
-    """Batches for 3 + rank steps of ``per_step`` each; at world 3 rank 0's sequence (see the
-    module docstring)."""
-    return [mlp_batch(batch_rank(rank, world), i) for i in range((3 + rank) * per_step)]
+def _batches(rank: int, world: int, per_step: int = 1, first_steps: int = 3) -> list:
+    """Batches for ``first_steps + rank`` steps of ``per_step`` each; at world 3 rank 0's
+    sequence (see the module docstring)."""
+    return [mlp_batch(batch_rank(rank, world), i) for i in range((first_steps + rank) * per_step)]
 
 
 def _bn_mlp() -> nn.Module:
@@ -71,32 +72,51 @@ def _assert_equal(got: list[torch.Tensor], want: list[torch.Tensor], what: str) 
         assert torch.equal(g, w), f"{what}: tensor {i} differs by {(g - w).abs().max().item():.3e}"
 
 
-def _ddp_join_reference(build, optim, batches, accumulate, divide_by_initial_world_size, zero_first):
-    model = DDP(build())
-    optimizer = optim[0](model.parameters(), **optim[1])
-    with model.join(divide_by_initial_world_size=divide_by_initial_world_size):
-        _train(model, [optimizer], batches, accumulate, zero_first)
+class Case(NamedTuple):
+    """One training run under join, for ShardedDataParallel + OSS and for DDP + the optimizer."""
+
+    name: str
+    build: Callable[[], nn.Module]
+    optim: tuple
+    per_step: int = 1  # batches per step (the first ones inside no_sync)
+    divide_by_initial_world_size: bool = True
+    zero_first: bool = False
+    first_steps: int = 3  # rank r trains first_steps + r steps
+    static_graph: bool = False
+
+
+CASES = [
+    Case("Join([model, oss])", _bn_mlp, SGD),
+    Case("Join([model])", _bn_mlp, SGD),
+    Case("model.join(), zero_grad() first", _bn_mlp, ADAMW, zero_first=True),
+    Case("model.join(divide_by_initial_world_size=False)", mlp, SGD, divide_by_initial_world_size=False),
+    Case("model.join() with no_sync, zero_grad() first", mlp, ADAMW, per_step=2, zero_first=True),
+    Case("model.join(), static_graph=True, rank 0 without batches", mlp, ADAMW, first_steps=0, static_graph=True),
+]
+
+
+def _ddp_join_reference(case: Case, batches: list) -> list[torch.Tensor]:
+    model = DDP(case.build())
+    optimizer = case.optim[0](model.parameters(), **case.optim[1])
+    with model.join(divide_by_initial_world_size=case.divide_by_initial_world_size):
+        _train(model, [optimizer], batches, case.per_step, case.zero_first)
     return _state(model.module)
 
 
 def _check_sharded_ddp_matches_ddp_join(rank, world):
-    cases = [  # name, model, optimizer, batches per step, divide_by_initial_world_size, zero_first
-        ("Join([model, oss])", _bn_mlp, SGD, 1, True, False),
-        ("model.join(), zero_grad() first", _bn_mlp, ADAMW, 1, True, True),
-        ("model.join(divide_by_initial_world_size=False)", mlp, SGD, 1, False, False),
-        ("model.join() with no_sync, zero_grad() first", mlp, ADAMW, 2, True, True),
-        ("model.join(), static_graph=True", mlp, ADAMW, 1, True, False),
-    ]
-    for name, build, optim, accumulate, by_initial, zero_first in cases:
-        batches = _batches(rank, world, accumulate)
-        want = _ddp_join_reference(build, optim, batches, accumulate, by_initial, zero_first)
-        model = build()
-        optimizer = OSS(model.parameters(), optim[0], **optim[1])
-        sdp = ShardedDataParallel(model, optimizer, static_graph="static_graph" in name)
-        context = Join([sdp, optimizer]) if name.startswith("Join") else sdp.join(by_initial)
+    for case in CASES:
+        batches = _batches(rank, world, case.per_step, case.first_steps)
+        want = _ddp_join_reference(case, batches)
+        model = case.build()
+        optimizer = OSS(model.parameters(), case.optim[0], **case.optim[1])
+        sdp = ShardedDataParallel(model, optimizer, static_graph=case.static_graph)
+        if case.name.startswith("Join"):
+            context = Join([sdp, optimizer] if "oss" in case.name else [sdp])
+        else:
+            context = sdp.join(case.divide_by_initial_world_size)
         with context:
-            _train(sdp, [optimizer], batches, accumulate, zero_first)
-        _assert_equal(_state(model), want, f"{name}, {optim[0].__name__}, rank {rank}")
+            _train(sdp, [optimizer], batches, case.per_step, case.zero_first)
+        _assert_equal(_state(model), want, f"{case.name}, {case.optim[0].__name__}, rank {rank}")
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
