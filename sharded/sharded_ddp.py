@@ -106,6 +106,7 @@ class ShardedDataParallel(nn.Module, Joinable):
         super().__init__()
         Joinable.__init__(self)
         self._divide_by_initial_world_size = True  # Join's option (see join())
+        self._clip_under_join: Optional[tuple[float, float, bool]] = None  # this rank's last iteration's
         _let_dynamo_skip_forward()
         self.module = module
         self.process_group = process_group if process_group is not None else dist.group.WORLD
@@ -225,6 +226,8 @@ class ShardedDataParallel(nn.Module, Joinable):
         torch's function would clip each rank by a partial norm. Here each rank's shard
         contributes its share and the result equals torch's function on DDP.
         """
+        if self._join_config.enable:  # a rank that runs out of data clips alike (see join())
+            self._clip_under_join = (max_norm, norm_type, error_if_nonfinite)
         grads = self._grads_this_rank_answers_for()
         device = next((p.device for p in self.module.parameters()), None)
         return clip_by_global_norm(grads, max_norm, norm_type, self.process_group, error_if_nonfinite, result_device=device)
@@ -259,9 +262,11 @@ class ShardedDataParallel(nn.Module, Joinable):
         steps, with the gradients it owns; when all are done, every rank takes the buffers of the
         last to finish. Each iteration of the loop must be one forward, one backward and one step
         of each optimizer, in the order they were given here (or a forward and backward inside
-        :meth:`no_sync`, without a step). Collectives outside those (:meth:`clip_grad_norm_`,
-        :meth:`reduce`, a gradient scaler's inf check, a change of ``requires_grad``) are not
-        shadowed: keep them out of a loop with uneven inputs.
+        :meth:`no_sync`, without a step), with or without a :meth:`clip_grad_norm_` between
+        backward and step: a rank out of data clips as its own last iteration did (the global
+        norm needs the gradients it owns), so every iteration must clip alike. Other collectives
+        (:meth:`reduce`, ``OSS.clip_grad_norm``, a gradient scaler's inf check, a change of
+        ``requires_grad``) are not shadowed: keep them out of a loop with uneven inputs.
 
         Args:
             divide_by_initial_world_size: divide gradients by the world size, the joined ranks

@@ -11,7 +11,7 @@ trains on rank 0's batches (the first 3 + r of them), so that the sums are exact
 from __future__ import annotations
 
 import logging
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import pytest
 import torch
@@ -42,7 +42,9 @@ def _bn_mlp() -> nn.Module:
     return on_test_device(nn.Sequential(nn.Linear(12, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3)))
 
 
-def _train(model: nn.Module, optimizers: list, batches: list, accumulate: int = 1, zero_first: bool = False) -> None:
+def _train(
+    model: nn.Module, optimizers: list, batches: list, accumulate: int = 1, zero_first: bool = False, clip=None
+) -> None:
     """One step per ``accumulate`` batches, the first ``accumulate - 1`` of each inside no_sync;
     gradients zeroed after each step, or before each step's first backward (``zero_first``:
     a rank then runs out of data holding its last gradients)."""
@@ -57,6 +59,8 @@ def _train(model: nn.Module, optimizers: list, batches: list, accumulate: int = 
             with model.no_sync():
                 mlp_loss(model, batch).backward()
         if last_of_step:
+            if clip is not None:
+                clip(model)
             for optimizer in optimizers:
                 optimizer.step()
                 if not zero_first:
@@ -83,6 +87,7 @@ class Case(NamedTuple):
     zero_first: bool = False
     first_steps: int = 3  # rank r trains first_steps + r steps
     static_graph: bool = False
+    clip: Optional[float] = None  # clip_grad_norm_'s max_norm before each step
 
 
 CASES = [
@@ -92,14 +97,23 @@ CASES = [
     Case("model.join(divide_by_initial_world_size=False)", mlp, SGD, divide_by_initial_world_size=False),
     Case("model.join() with no_sync, zero_grad() first", mlp, ADAMW, per_step=2, zero_first=True),
     Case("model.join(), static_graph=True, rank 0 without batches", mlp, ADAMW, first_steps=0, static_graph=True),
+    Case("model.join(), clip_grad_norm_ each step", mlp, SGD, clip=0.05),
 ]
+
+
+def _ddp_clip(case: Case):
+    return None if case.clip is None else lambda model: torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)
+
+
+def _sharded_clip(case: Case):
+    return None if case.clip is None else lambda model: model.clip_grad_norm_(case.clip)
 
 
 def _ddp_join_reference(case: Case, batches: list) -> list[torch.Tensor]:
     model = DDP(case.build())
     optimizer = case.optim[0](model.parameters(), **case.optim[1])
     with model.join(divide_by_initial_world_size=case.divide_by_initial_world_size):
-        _train(model, [optimizer], batches, case.per_step, case.zero_first)
+        _train(model, [optimizer], batches, case.per_step, case.zero_first, _ddp_clip(case))
     return _state(model.module)
 
 
@@ -115,8 +129,13 @@ def _check_sharded_ddp_matches_ddp_join(rank, world):
         else:
             context = sdp.join(case.divide_by_initial_world_size)
         with context:
-            _train(sdp, [optimizer], batches, case.per_step, case.zero_first)
-        _assert_equal(_state(model), want, f"{case.name}, {case.optim[0].__name__}, rank {rank}")
+            _train(sdp, [optimizer], batches, case.per_step, case.zero_first, _sharded_clip(case))
+        what = f"{case.name}, {case.optim[0].__name__}, rank {rank}"
+        if case.clip is None:
+            _assert_equal(_state(model), want, what)
+        else:  # the norm adds per-owner sums, another association than torch's: ulps of the factor
+            for got, expected in zip(_state(model), want):
+                torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7, msg=what)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])

@@ -10,7 +10,8 @@ context, at the start of each iteration, that its rank has not left (``notify_jo
   broadcast, from the last rank that still trains, as DDP's join does; a flag saying whether
   the others' backward reduces), then the backward's reduces with zeros
   (:meth:`~.grad_router.GradRouter.shadow_backward`), after which this rank holds the others'
-  average of the gradients it owns, and the steps of the model's optimizers with them. So the
+  average of the gradients it owns, its share of ``clip_grad_norm_`` if its own last
+  iteration clipped, and the steps of the model's optimizers with them. So the
   parameters are DDP's under ``model.join()``. When every rank has left, the buffers are
   broadcast from the last to leave, as DDP's final sync does (the parameters agree already).
 - :class:`OptimizerJoinHook`, for ``OSS``: its step (its shard, then the owners' broadcasts),
@@ -61,12 +62,15 @@ class JoiningModel(Protocol):
     _sync_buffers_at_next_forward: bool
     _join_config: Any
     _divide_by_initial_world_size: bool
+    _clip_under_join: Optional[tuple[float, float, bool]]
     _router: Any
 
     @property
     def sharded_optimizers(self) -> Sequence[SteppedOptimizer]: ...
 
     def buffers(self) -> Iterable[torch.Tensor]: ...
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor: ...
 
     def _sync_buffers_from(self, src: int) -> None: ...
 
@@ -129,6 +133,8 @@ class ModelJoinHook(JoinHook):
         if not will_reduce:
             return  # the others accumulate inside no_sync(): no reduce, no step
         model._router.shadow_backward()
+        if model._clip_under_join is not None:  # as this rank's last iteration did
+            model.clip_grad_norm_(*model._clip_under_join)
         for optimizer in model.sharded_optimizers:
             _step_without_notifying(optimizer)
 
@@ -144,6 +150,7 @@ def before_forward_under_join(model: JoiningModel) -> None:
     gradients' divisor, sync the buffers from the last rank still training, and tell the joined
     ranks whether this forward's backward reduces. Collective: the joined ranks' hooks match it."""
     _check_first_joinable(model)
+    model._clip_under_join = None  # until this iteration clips
     work = Join.notify_join_context(cast(Joinable, model))
     divisor = model.world_size
     if work is not None and not model._divide_by_initial_world_size:
