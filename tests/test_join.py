@@ -1,9 +1,10 @@
 """Uneven inputs: ranks with different numbers of batches under torch's ``Join``.
 
-Rank r trains on 3 + r batches (0 + r in one case). ``ShardedDataParallel`` + ``OSS`` (under ``model.join()`` or
-``Join([model, optimizer])``) must give the parameters and buffers of DDP + the plain optimizer
+Rank r trains on 3 + r batches (r in one case). ``ShardedDataParallel`` + ``OSS`` (under
+``model.join()`` or ``Join([model, optimizer])``) must give the parameters and buffers of DDP + the plain optimizer
 under DDP's ``join()``, bit for bit; ``OSS`` beside torch's DDP under ``Join([ddp, optimizer])``
-must give torch's ``ZeroRedundancyOptimizer``'s numbers in the same run. At world 3 every rank
+must give torch's ``ZeroRedundancyOptimizer``'s numbers in the same run (not DDP's: see
+docs/guides/features.md, "Uneven inputs"). At world 3 every rank
 trains on rank 0's batches (the first 3 + r of them), so that the sums are exact in any order
 (tests/_exact_sums.py); the joined ranks' zeros keep them exact (``a + a + 0``).
 """
