@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
 from ._common import comm
@@ -25,6 +26,7 @@ from ._common.norm import clip_by_global_norm
 from ._common.optimizers import hyperparams
 from ._owners.broadcaster import ParamBroadcaster
 from ._owners.ddp_overlap import PARTITION_CHANGED_UNDER_HOOK, TORCH_HOOKS_REFUSED, BucketSteps, step_only
+from ._owners.join_hooks import OptimizerJoinHook
 from ._owners.optim_state import consolidated_state_dict, restore_state, snapshot_shard, states_by_param
 from ._owners.partition import Balance, Partition
 from ._owners.step_cost import ParamCost, bytes_cost, default_param_cost, param_costs
@@ -41,7 +43,7 @@ def imbalance(partition: Partition) -> float:
     return partition.balance().bytes
 
 
-class OSS(Optimizer):
+class OSS(Optimizer, Joinable):
     """Wraps any ``torch.optim.Optimizer`` class so that each rank keeps only its shard of
     the optimizer state (ZeRO stage 1), with fairscale's ``OSS`` interface.
 
@@ -70,6 +72,11 @@ class OSS(Optimizer):
     kept in sync with the wrapped optimizer in both directions, so lr schedulers, gradient
     scalers and code that edits hyperparameters work unchanged. ``state_dict()`` returns the
     standard torch format after :meth:`consolidate_state_dict`, loadable by a plain optimizer.
+
+    ``OSS`` is a ``torch.distributed.algorithms.join.Joinable``, as torch's
+    ``ZeroRedundancyOptimizer`` is: under ``Join([model, optimizer])`` a rank that ran out of
+    data still steps its shard and sends its broadcasts while the others train (see
+    :mod:`sharded._owners.join_hooks`).
 
     Args:
         params: an iterable of tensors or of param-group dicts, as for any torch optimizer.
@@ -136,6 +143,7 @@ class OSS(Optimizer):
         self._bucket_steps = self._bucket_steps_for() if overlap_with_ddp else None
 
         super().__init__(as_param_groups(params, self.rank), defaults)
+        Joinable.__init__(self)
         self._check_same_params_on_all_ranks()
         partition = self._build_partition()
         owned = partition.owned_by_group(self.rank)
@@ -217,6 +225,7 @@ class OSS(Optimizer):
         the parameters no bucket held are stepped (a closure is evaluated first: its backward
         is the one that counts).
         """
+        Join.notify_join_context(self)
         if self._bucket_steps is not None:
             return self._step_after_overlapped_backward(self._bucket_steps, closure, *args, **kwargs)
         return self._step_and_broadcast(closure, *args, **kwargs)
@@ -232,6 +241,33 @@ class OSS(Optimizer):
         self._pull_hyperparams()
         self.broadcaster.start()
         return loss
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The hook a ``Join`` context runs on a rank that ran out of data: it steps this rank's
+        shard with the gradients the rank holds and sends the owners' broadcasts, as torch's
+        ``ZeroRedundancyOptimizer``'s does; with ``ShardedDataParallel`` in the same ``Join``,
+        the model's hook steps it instead, after handing over this rank's averaged gradients.
+        Keyword arguments are for the other joinables (``Join`` passes them to all) and unused.
+        Refused with ``overlap_with_ddp=True``: DDP's join hook runs the comm hook (which steps
+        the buckets) on a rank out of data, and this hook would step that rank a second time.
+        """
+        if self._bucket_steps is not None:
+            raise NotImplementedError(on_rank(
+                "OSS(overlap_with_ddp=True) under torch's Join: a rank out of data would be stepped by DDP's "
+                "join hook (through the comm hook) and by the optimizer's; use overlap_with_ddp=False for uneven inputs",
+                self.rank,
+            ))
+        return OptimizerJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        """Where ``Join``'s own flags live: the process group's device for small tensors."""
+        return comm.comm_device(self.group)
+
+    @property
+    def join_process_group(self) -> Any:
+        """The group ``Join`` counts the ranks still training over: the one sharded over."""
+        return self.group
 
     def wait_for_params(self) -> None:
         """Complete the parameter broadcasts that the last ``step()`` left in flight.

@@ -16,6 +16,7 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.utils._pytree import tree_leaves
 
 from ._common import comm
@@ -25,6 +26,7 @@ from ._common.errors import on_rank
 from ._common.flat import DEFAULT_BUCKET_NUMEL
 from ._owners.compile_split import graph_splitter, split_bytes_for
 from ._owners.grad_router import BackwardStats, GradRouter
+from ._owners.join_hooks import ModelJoinHook, before_forward_under_join
 from ._owners.param_waits import ParamWaits
 from ._owners.torch_clip import clip_owner_reduced_, register_owner_reduced
 from .oss import OSS
@@ -34,7 +36,7 @@ __all__ = ["ShardedDataParallel"]
 logger = logging.getLogger(__name__)
 
 
-class ShardedDataParallel(nn.Module):
+class ShardedDataParallel(nn.Module, Joinable):
     """Data parallelism with sharded gradients (ZeRO stage 2), with fairscale's interface.
 
     Like DDP, every rank runs forward and backward on its own batch. Unlike DDP, each gradient
@@ -46,6 +48,11 @@ class ShardedDataParallel(nn.Module):
     closures) adds to them as on DDP: the owner sets the old average aside, the new gradient is
     reduced alone, and the owner adds the average back (see
     :mod:`sharded._owners.held_averages`).
+
+    Ranks with different numbers of batches train under ``model.join()`` (or
+    ``torch.distributed.algorithms.join.Join([model, optimizer])``), as with DDP: a rank out of
+    data takes part in the others' buffer broadcasts, reduces and optimizer steps, and the
+    parameters are DDP's under its ``join()`` (see :meth:`join`).
 
     Args:
         module: the model, identical on every rank.
@@ -97,6 +104,9 @@ class ShardedDataParallel(nn.Module):
         static_graph: bool = False,
     ) -> None:
         super().__init__()
+        Joinable.__init__(self)
+        self._divide_by_initial_world_size = True  # Join's option (see join())
+        self._clip_under_join: Optional[tuple[float, float, bool]] = None  # this rank's last iteration's
         _let_dynamo_skip_forward()
         self.module = module
         self.process_group = process_group if process_group is not None else dist.group.WORLD
@@ -124,7 +134,7 @@ class ShardedDataParallel(nn.Module):
             "ShardedDataParallel module parameters and buffers",
         )
         if sync_models_at_startup:
-            self._start_broadcast_from_rank0(list(module.parameters()) + list(module.buffers())).wait()
+            self._start_broadcast_from(0, list(module.parameters()) + list(module.buffers())).wait()
         self._router = self._build_router()
         self._trainability = self._current_trainability()
         self._param_waits = ParamWaits(module, [o.broadcaster for o in self.sharded_optimizers]) if overlap_param_broadcast else None
@@ -144,7 +154,9 @@ class ShardedDataParallel(nn.Module):
         if self.auto_refresh_trainable and self._trainability_changed():
             self._warn_trainability_changed_once()
             self.refresh_trainable()
-        if self.broadcast_buffers and self._sync_buffers_at_next_forward:
+        if self._join_config.enable:
+            before_forward_under_join(self)  # syncs the buffers from a rank that still trains
+        elif self.broadcast_buffers and self._sync_buffers_at_next_forward:
             self.sync_buffers(blocking=True)
         self._router.before_forward()
         if self._param_waits is not None:
@@ -216,10 +228,17 @@ class ShardedDataParallel(nn.Module):
         DDP. ``torch.nn.utils.clip_grad_norm_`` over this wrapper's parameters is routed here too
         (see :mod:`sharded._owners.torch_clip`).
         """
+        self.remember_clip_for_join(max_norm, norm_type, error_if_nonfinite)
         params = list(self.module.parameters())
         return clip_owner_reduced_(
             params, self.param_to_rank, self.process_group, self.rank, max_norm, norm_type, error_if_nonfinite
         )
+
+    def remember_clip_for_join(self, max_norm: float, norm_type: float, error_if_nonfinite: bool) -> None:
+        """Under :meth:`join`, a rank out of data clips as this iteration does (torch's routed
+        ``clip_grad_norm_`` calls this too)."""
+        if self._join_config.enable:
+            self._clip_under_join = (max_norm, norm_type, error_if_nonfinite)
 
     @property
     def param_to_rank(self) -> dict[torch.Tensor, int]:
@@ -233,6 +252,53 @@ class ShardedDataParallel(nn.Module):
     def backward_stats(self) -> Optional[BackwardStats]:
         """How the last synced backward's reduction overlapped it (None before the first)."""
         return self._router.last_backward
+
+    # ------------------------------------------------------------------- uneven inputs
+
+    def join(
+        self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False
+    ) -> Join:
+        """A context for ranks with different numbers of batches, as DDP's ``join()``: this
+        model and its optimizers in one ``torch.distributed.algorithms.join.Join``.
+
+        A rank that has run out of batches runs, for each iteration the others still run, their
+        forward's collectives, their backward's reduces (contributing zeros) and their optimizer
+        steps, with the gradients it owns; when all are done, every rank takes the buffers of the
+        last to finish. Each iteration of the loop must be one forward, one backward and one step
+        of each optimizer, in the order they were given here (or a forward and backward inside
+        :meth:`no_sync`, without a step), with or without a :meth:`clip_grad_norm_` between
+        backward and step: a rank out of data clips as its own last iteration did (the global
+        norm needs the gradients it owns), so every iteration must clip alike. Other collectives
+        (:meth:`reduce`, ``OSS.clip_grad_norm``, a gradient scaler's inf check, a change of
+        ``requires_grad``) are not shadowed: keep them out of a loop with uneven inputs.
+
+        Args:
+            divide_by_initial_world_size: divide gradients by the world size, the joined ranks
+                contributing zeros (DDP's default), or by the number of ranks still training.
+            enable: False turns the context off (every rank must then have the same batches).
+            throw_on_early_termination: raise on every rank as soon as one runs out of data.
+        """
+        return Join(
+            [self, *self.sharded_optimizers],
+            enable=enable,
+            throw_on_early_termination=throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+        )
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The hook ``Join`` runs on a rank out of data (see :meth:`join`); it reads
+        ``divide_by_initial_world_size`` (default True) from the keyword arguments."""
+        return ModelJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        """Where ``Join``'s own flags live: the process group's device for small tensors."""
+        return comm.comm_device(self.process_group)
+
+    @property
+    def join_process_group(self) -> Any:
+        """The group ``Join`` counts the ranks still training over."""
+        return self.process_group
 
     # ------------------------------------------------------------------ DDP's attributes
 
@@ -298,11 +364,15 @@ class ShardedDataParallel(nn.Module):
         Returns the broadcasts in flight when ``blocking`` is False; call ``wait()`` on them
         before the buffers are read.
         """
-        pending = self._start_broadcast_from_rank0(list(self.module.buffers()))
+        pending = self._start_broadcast_from(0, list(self.module.buffers()))
         if not blocking:
             return pending
         pending.wait()
         return None
+
+    def _sync_buffers_from(self, src: int) -> None:
+        """Broadcast the module's buffers from rank ``src`` and wait. Collective."""
+        self._start_broadcast_from(src, list(self.module.buffers())).wait()
 
     def to(  # type: ignore[override]
         self,
@@ -371,8 +441,9 @@ class ShardedDataParallel(nn.Module):
             )
             self._warned_trainability_change = True
 
-    def _start_broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> PendingBroadcasts:
-        return start_broadcasts(plan_broadcasts([tensors], self.reduce_buffer_size), self.process_group)
+    def _start_broadcast_from(self, src: int, tensors: list[torch.Tensor]) -> PendingBroadcasts:
+        by_src: list[list[torch.Tensor]] = [[] for _ in range(src)] + [tensors]
+        return start_broadcasts(plan_broadcasts(by_src, self.reduce_buffer_size), self.process_group)
 
 
 @functools.cache

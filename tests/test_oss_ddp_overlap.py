@@ -227,6 +227,9 @@ def _misuse(rank, world_size, caplog_level):
     expect(ValueError, "find_unused", lambda: sharded.hook_with_zero_step(hook, unused, unused_zero))
     partial = OSS([model.head.weight], torch.optim.SGD, overlap_with_ddp=True, lr=0.1)
     expect(ValueError, "missing", lambda: sharded.hook_with_zero_step(hook, ddp, partial))
+    from torch.distributed.algorithms.join import Join
+
+    expect(NotImplementedError, "join", lambda: Join([ddp, zero]))
 
     ddp.register_comm_hook(None, sharded.hook_with_zero_step(hook, ddp, zero))
     gpt_loss(ddp, token_batch(rank, 0)).backward()
@@ -243,6 +246,7 @@ def test_misuse_raises_naming_what_to_do(world_size):
     errors = run_on_ranks(_misuse, world_size, logging.WARNING)[0]
     assert "sharded.hook_with_zero_step" in errors["torch's hook"]
     assert "overlap_with_ddp=True" in errors["without overlap"]
+    assert "uneven inputs" in errors["join"] and "rank 0" in errors["join"]
     assert "rank 0" in errors["missing"] and "'" in errors["missing"]
     assert "find_unused_parameters=False" in errors["find_unused"]
     assert "already stepped" in errors["clip after"]

@@ -90,7 +90,7 @@ class GradRouter:
         self.world_size = comm.group_size(group)
         self.params = tuple(params)
         self._names = names or {}
-        self._scale = 1.0 / self.world_size  # pre-divide, as DDP does
+        self._scale = 1.0 / self.world_size  # pre-divide, as DDP does (see set_divisor)
         self.bucket_index = BucketIndex(self.params, owner_of, bucket_numel, reduce_fp16)
         self._graph = LearnedGraph(len(self.params), static_graph, self._name_of, self.rank)
         self._checks = GradChecks(self.params, self._name_of, self.rank, hooked=self.world_size > 1)
@@ -158,6 +158,31 @@ class GradRouter:
         """
         if self.sync_enabled and self.phase is Phase.IDLE:
             self._arm()
+
+    def set_divisor(self, divisor: int) -> None:
+        """Divide the gradients of the next reduces by ``divisor`` (default: the world size).
+
+        Under ``Join`` with ``divide_by_initial_world_size=False`` it is the number of ranks
+        that still have data, as in DDP: the joined ranks' zeros are left out of the average.
+        """
+        self._scale = 1.0 / divisor
+
+    def shadow_backward(self) -> None:
+        """On a rank out of data (under ``Join``): take part in every collective the other
+        ranks' synced backward runs, contributing zeros, and hand out the gradients this rank
+        owns (the others' average), as DDP's join hook shadows its all-reduces. Collective.
+
+        What this rank held is released first: its gradients never join the others' sums
+        (a joined DDP rank contributes zeros too), and what it owns after the pass is exactly
+        the others' average, ready for its optimizer's step.
+        """
+        if self.world_size == 1:
+            return
+        for param in self.params:
+            param.grad = None
+        self._held = HeldAverages(self.params)
+        self._begin_pass(is_backward=True)
+        self._flush(after_backward=True, shadow=True)
 
     def reduce_current_grads(self) -> None:
         """Reduce whatever gradients the parameters hold now (e.g. after ``no_sync`` steps)."""
@@ -282,17 +307,18 @@ class GradRouter:
         if self._graph.is_fixed and self._pass.is_backward:
             self._graph.check_held(index)
 
-    def _flush(self, after_backward: bool) -> None:
+    def _flush(self, after_backward: bool, shadow: bool = False) -> None:
         """End of backward: launch what is left, reduce late gradients, hand out the results.
         Only a real backward (``after_backward``) can have late gradients or teach the order;
         an explicit ``reduce()`` skips the agreement on late gradients, since no hook fired.
         Once ``static_graph`` has fixed the graph, a backward checks its arrival counts instead
         (before the flush launches anything, so ranks that all see the change all raise alike)
-        and hands out the learned set of used gradients."""
+        and hands out the learned set of used gradients. A ``shadow`` pass (a joined rank's, no
+        arrivals) skips that check and keeps the arrivals it expects for its own backward."""
         bw = self._pass
         bw.flushed_at = time.perf_counter()
         fixed = after_backward and self._graph.is_fixed
-        if fixed:
+        if fixed and not shadow:
             self._graph.check_arrivals(bw.arrivals)
         handed_out: list[int] = []
         with torch.profiler.record_function("sharded::flush_pending_reduces"):
@@ -308,7 +334,7 @@ class GradRouter:
         self._held.after_flush(handed_out)
         self.phase = Phase.IDLE
         if after_backward:
-            self._learn_from(bw, agreed=not fixed)
+            self._learn_from(bw, agreed=not fixed, arrivals=self._graph.expected if shadow else bw.arrivals)
 
     def _send_corrections(self) -> None:
         """Reduce again the buckets some rank's late gradients need (after agreeing which)."""
@@ -326,13 +352,13 @@ class GradRouter:
         used = self._graph.used_slots(members) if fixed else None
         return [members[slot] for slot in fill.hand_out(is_correction, used)]
 
-    def _learn_from(self, bw: Pass, agreed: bool) -> None:
+    def _learn_from(self, bw: Pass, agreed: bool, arrivals: Sequence[int]) -> None:
         """Report the pass; re-plan once by its order; learn its arrivals (and, with
         ``static_graph``, fix the graph after the first)."""
         self.last_backward = BackwardStats.of(bw, self.buckets, self._armed_at, agreed)
         if not self.bucket_index.from_observed_order:
             self.bucket_index.replan_from(bw.completed_at, self.group)
-        self._graph.learn(bw.arrivals, self.group)
+        self._graph.learn(arrivals, self.group)
 
 
 def _remove_all(handles: list) -> None:

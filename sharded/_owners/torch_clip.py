@@ -54,6 +54,8 @@ class OwnerReduced(Protocol):
     @property
     def param_to_rank(self) -> dict[torch.Tensor, int]: ...
 
+    def remember_clip_for_join(self, max_norm: float, norm_type: float, error_if_nonfinite: bool) -> None: ...
+
 
 _models: weakref.WeakSet[Any] = weakref.WeakSet()  # the live OwnerReduced models of this process
 
@@ -127,6 +129,7 @@ def _routing(torch_own: Any) -> Any:
         owner_of: dict[torch.Tensor, int] = {}
         for model in models:
             owner_of.update(model.param_to_rank)
+            model.remember_clip_for_join(max_norm, norm_type, error_if_nonfinite)
         first = models[0]
         return clip_owner_reduced_(
             params, owner_of, first.process_group, first.rank, max_norm, norm_type, error_if_nonfinite, foreach
