@@ -142,8 +142,11 @@ class FSDPModule(TorchFSDPModule):
         """``True``: the end of each backward leaves the gradients not yet sent on this rank (as
         with sync off) and the reductions in flight, until :meth:`finalize_backward`; supersedes
         :meth:`set_is_last_backward`. For schedules whose gradient reduction is a step of its own
-        (torch's pipelining calls it on every stage). On the root, before the backward: the mode
-        cannot change inside a backward, nor after one started until it is finalized or reset."""
+        (torch's pipelining calls it on every stage). While it is on, the gradient sync setting
+        in force when a unit's backward is done decides for it, as in torch (pipelining turns sync
+        off between a microbatch's forward and backward); otherwise the one at its forward, as
+        DDP's ``no_sync``. On the root, before the backward: the mode cannot change inside a
+        backward, nor after one started until it is finalized or reset."""
         unit, root = self._fsdp_unit(), self._get_fsdp_state().root
         if root is not None and root.unit is not unit:
             raise RuntimeError(on_rank(
