@@ -78,6 +78,7 @@ def estimate_memory(
     mixed_precision: Any = None,
     wrap: Any = None,
     reshard_after_forward: bool = True,
+    keep_unsharded_storage: bool = False,
     example_input: Any = None,
     loss_fn: Optional[Callable[..., torch.Tensor]] = None,
     activation_bytes: Optional[int] = None,
@@ -101,6 +102,9 @@ def estimate_memory(
             ``auto_wrap_policy`` takes (the root is always a unit).
         reshard_after_forward: stage 3 only; ``False`` is SHARD_GRAD_OP (units stay gathered
             from forward to backward).
+        keep_unsharded_storage: stage 3 only; ``True``: every unit keeps its gathered
+            parameters' storage across reshards (``set_keep_unsharded_storage(True)``), held
+            through backward and the optimizer step.
         example_input / loss_fn: measure activations with a trial forward and backward of a
             copy of the model on fake tensors: ``loss_fn(model, *example_input)`` (default: the
             sum of the outputs). Or declare them with ``activation_bytes``.
@@ -114,6 +118,8 @@ def estimate_memory(
         raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3, got {stage!r}")
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if keep_unsharded_storage and stage != 3:
+        raise ValueError(f"keep_unsharded_storage applies to stage 3 (fully_shard) only, not to stage {stage}")
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("estimate_memory: the model has no trainable parameters")
@@ -124,7 +130,9 @@ def estimate_memory(
     if stage == 3:
         from .zero3 import zero3_layout
 
-        layout = zero3_layout(model, world_size, wrap, mixed_precision, reshard_after_forward, device, profile, activations)
+        layout = zero3_layout(
+            model, world_size, wrap, mixed_precision, reshard_after_forward, device, profile, activations, keep_unsharded_storage
+        )
     else:
         from .replicated import replicated_layout
 

@@ -1,6 +1,8 @@
 """The ZeRO-3 layout for :func:`sharded.estimate_memory`: the units ``FullyShardedDataParallel``
 would make (its wrap planner), each parameter's padded shard slot (its shard geometry), and
-what a unit holds while it is gathered and while its gradients are reduce-scattered."""
+what a unit holds while it is gathered and while its gradients are reduce-scattered; with
+``set_keep_unsharded_storage(True)``, the gathered storage every unit keeps from its first gather
+on."""
 
 from __future__ import annotations
 
@@ -28,17 +30,23 @@ class UnitSize:
     gathered_bytes: int
     full_bytes: int
     is_root: bool
+    aliases_shards: bool = False  # one rank, no dtype change: the gathered parameters view the shards
+
+    def kept_bytes(self, keep_unsharded_storage: bool) -> int:
+        """What the unit holds between uses: its gathered storage, if kept (and not the shards')."""
+        return self.gathered_bytes if keep_unsharded_storage and not self.aliases_shards else 0
 
 
 def zero3_layout(
     model: nn.Module, world: int, wrap: Any, mixed_precision: Any, reshard_after_forward: bool, device: torch.device,
-    profile: Optional[ActivationProfile], declared_activations: int,
+    profile: Optional[ActivationProfile], declared_activations: int, keep_unsharded_storage: bool = False,
 ) -> Layout:
     """The busiest rank's ZeRO-3 layout (rank 0: it holds the most real rows of every parameter).
 
     The activations alive while each unit computes its gradients come from ``profile`` (the
     trial's bytes between the unit's first and last gradient) or, without one, from
-    ``declared_activations`` leaving evenly unit by unit."""
+    ``declared_activations`` leaving evenly unit by unit. ``keep_unsharded_storage``: every
+    unit holds its gathered parameters' storage all step, the optimizer step included."""
     param_dtype = getattr(mixed_precision, "param_dtype", None)
     units: list[UnitSize] = []
     shapes: list[tuple[torch.Size, torch.dtype]] = []
@@ -53,7 +61,8 @@ def zero3_layout(
     else:
         n = len(children)
         during = [declared_activations * (n - i) // n for i in range(n)] + [0]
-    backward, communication = _backward_walk(units, world, reshard_after_forward, gloo, during)
+    kept = sum(u.kept_bytes(keep_unsharded_storage) for u in units if not u.is_root)
+    backward, communication = _backward_walk(units, world, reshard_after_forward, gloo, during, kept)
     shard = sum(u.shard_bytes for u in units)
     grads = sum(u.grad_bytes for u in units)
     full = sum(u.full_bytes for u in units)
@@ -66,7 +75,7 @@ def zero3_layout(
         gradients=grads,
         communication=communication,
         backward_bytes=backward,
-        held_in_step=0,
+        held_in_step=sum(u.kept_bytes(keep_unsharded_storage) for u in units),
         build_bytes=full + shard,
         largest_unit_bytes=max(u.full_bytes for u in units),
         optimizer_shapes=shapes,
@@ -105,7 +114,7 @@ def _activations_per_unit(
 
 
 def _backward_walk(
-    units: list[UnitSize], world: int, reshard_after_forward: bool, gloo: bool, activations: list[int]
+    units: list[UnitSize], world: int, reshard_after_forward: bool, gloo: bool, activations: list[int], kept: int = 0,
 ) -> tuple[int, int]:
     """The most bytes of gradients and communication buffers alive at once during backward, and
     the communication part of that moment, walking the units in backward order (children last
@@ -125,7 +134,9 @@ def _backward_walk(
     broadcasts into it rather than through a buffer of gloo's own). ``gloo`` (CPU): a
     reduce-scatter copies its input before the call returns (the send buffer is freed then)
     and holds the other ranks' chunks, ``(world - 1) / world`` of it, until it completes. With
-    NCCL the send buffer itself stays until the reduction is waited for.
+    NCCL the send buffer itself stays until the reduction is waited for. ``kept``: the
+    gathered storage the child units keep (``set_keep_unsharded_storage``), held all backward
+    in place of what each unit's gather and prefetch would hold.
     """
     children = [u for u in units if not u.is_root]
     root = next(u for u in units if u.is_root)
@@ -139,7 +150,9 @@ def _backward_walk(
     held_root = root.gathered_bytes + root.full_bytes
     peak, comm_at_peak, done_grads = (activations[0], 0, 0) if not order else (0, 0, 0)
     for i, unit in enumerate(order):
-        if reshard_after_forward:
+        if kept:
+            gathered = kept
+        elif reshard_after_forward:
             gathered = unit.gathered_bytes + (order[i + 1].gathered_bytes if i + 1 < len(order) else 0)
         else:  # SHARD_GRAD_OP: every unit not yet reached stays gathered
             gathered = sum(u.gathered_bytes for u in order[i:])
@@ -151,7 +164,7 @@ def _backward_walk(
         reducing.beyond(MAX_REDUCTIONS_IN_FLIGHT - 1)  # finished before this unit's reduction starts
         reducing.add(unit)
     # the root's reduction, last: its gathered parameters and its send buffer
-    comm = 2 * root.gathered_bytes + held_by_reductions()
+    comm = 2 * root.gathered_bytes + held_by_reductions() + kept
     moment = done_grads + root.full_bytes + comm + activations[-1]
     if moment > peak:
         peak, comm_at_peak = moment, comm
@@ -183,6 +196,7 @@ def _unit_size(params: list[nn.Parameter], world: int, param_dtype: Any, is_root
     trainable = [p for p in params if p.requires_grad]
     grad_slots = sum(ShardGeometry(p.shape, world).slot_numel for p in trainable) + len(trainable)
     return UnitSize(
+        aliases_shards=world == 1 and param_dtype in (None, params[0].dtype),
         shard_bytes=slots * itemsize,
         grad_bytes=grad_slots * itemsize if trainable else 0,
         gathered_bytes=world * slots * gathered_itemsize,

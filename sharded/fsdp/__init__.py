@@ -18,7 +18,8 @@ Modules, FSDP2's split of API / state / param / group / collectives:
   (how a reduction divides; one in flight and its set-up), ``_streams``.
 - ``_settings`` (a unit's settings), ``_unit`` (a unit's lifecycle), ``_hooks`` (autograd plumbing,
   the backward tracker), ``_state`` (drives a unit from its module's hooks and reaches the root),
-  ``_root`` (model-wide duties: order, prefetch, end of backward), ``_fsdp_module`` (``FSDPModule``'s
+  ``_root`` (model-wide duties: order, prefetch, end of backward), ``_finalization`` (manual
+  backward finalization's mode and handle), ``_fsdp_module`` (``FSDPModule``'s
   methods), ``_full_params``, ``_grad_norm`` (and ``_torch_clip``: torch's ``clip_grad_norm_``
   routed to it for owner-placed parameters).
 - ``_placement/``: the mesh a unit shards over and the DTensor layout of its shards; ``owned``
@@ -35,6 +36,7 @@ _EXPORTS = {
     "fully_shard": ".api",
     "FSDPModule": ".api",
     "UnshardHandle": ".api",
+    "GradientReductionHandle": "._finalization",
     "register_fsdp_forward_method": ".api",
     "MixedPrecisionPolicy": ".policies",
     "OffloadPolicy": ".policies",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Literal, Optional, overload
 
 import torch
 import torch.distributed as dist
@@ -22,10 +22,11 @@ from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
 
 from .._common import comm
 from .._common.errors import on_rank
+from ._finalization import GradientReductionHandle
 from ._state import state_of
 from ._unit import Unit, unit_of, units_under
 
-__all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
+__all__ = ["FSDPModule", "GradientReductionHandle", "UnshardHandle", "register_fsdp_forward_method"]
 
 
 class UnshardHandle(TorchUnshardHandle):
@@ -105,13 +106,24 @@ class FSDPModule(TorchFSDPModule):
         return UnshardHandle(unit) if async_op else None
 
     def reshard(self) -> None:
-        """Free this module's gathered parameters (its unit only)."""
+        """Free this module's gathered parameters (its unit only), unless
+        :meth:`set_keep_unsharded_storage` keeps their storage."""
         self._fsdp_unit().reshard()
+
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """``True``: resharding keeps the gathered parameters' storage, so the unsharded
+        parameters keep their data pointers across reshard and the next all-gather (what CUDA
+        graph capture needs), at the cost of holding every such unit's gathered parameters all
+        the time (``sharded.estimate_memory(..., keep_unsharded_storage=True)`` counts them).
+        ``False`` (default): freed at each reshard. ``recurse``: also the units below."""
+        for unit in self._fsdp_units(recurse):
+            unit.settings.keep_unsharded_storage = bool(keep)
 
     def reset_iter_state(self) -> None:
         """After a forward or backward raised: wait for the collectives in flight, drop the
         failed step's unreduced gradients, free gathered parameters, return every unit to rest.
-        Call it on the root (the module ``fully_shard`` was applied to last)."""
+        A pending :class:`GradientReductionHandle` is invalidated (its ``wait()`` raises). Call
+        it on the root (the module ``fully_shard`` was applied to last)."""
         unit, root = self._fsdp_unit(), self._get_fsdp_state().root
         if root is None:
             for u in units_under(self):  # type: ignore[arg-type]
@@ -125,6 +137,44 @@ class FSDPModule(TorchFSDPModule):
         root.reset()
 
     # ------------------------------------------------------------ step settings
+
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """``True``: the end of each backward leaves the gradients not yet sent on this rank (as
+        with sync off) and the reductions in flight, until :meth:`finalize_backward`; supersedes
+        :meth:`set_is_last_backward`. For schedules whose gradient reduction is a step of its own
+        (torch's pipelining calls it on every stage). While it is on, the gradient sync setting
+        in force when a unit's backward is done decides for it, as in torch (pipelining turns sync
+        off between a microbatch's forward and backward); otherwise the one at its forward, as
+        DDP's ``no_sync``. On the root, before the backward: the mode cannot change inside a
+        backward, nor after one started until it is finalized or reset."""
+        unit, root = self._fsdp_unit(), self._get_fsdp_state().root
+        if root is not None and root.unit is not unit:
+            raise RuntimeError(on_rank(
+                f"set_manual_backward_finalization must be called on the root module ({root.unit.module_name}), "
+                f"not on {unit.module_name}"
+            ))
+        unit.context.finalization.set(enabled)
+
+    @overload
+    def finalize_backward(self, *, async_op: Literal[False] = False) -> None: ...
+
+    @overload
+    def finalize_backward(self, *, async_op: Literal[True]) -> GradientReductionHandle: ...
+
+    @overload
+    def finalize_backward(self, *, async_op: bool) -> Optional[GradientReductionHandle]: ...
+
+    def finalize_backward(self, *, async_op: bool = False) -> Optional[GradientReductionHandle]:
+        """With manual finalization, after the last backward of a logical backward (and before
+        reading or clearing gradients): send the gradients each unit kept, for units whose
+        gradient sync is on now, reshard the units set to reshard after backward, and wait for
+        every reduction, now or, with ``async_op=True``, at the returned handle's ``wait()``
+        (call it before the model's next forward). A no-op before the model's first forward;
+        safe after a backward that reached no unit, or none. On the root only."""
+        root = self._get_fsdp_state().root
+        if root is None:
+            return GradientReductionHandle() if async_op else None
+        return root.finalize_backward(self._fsdp_unit(), async_op)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """``False``: the next backward may leave its newest gradient reductions in flight

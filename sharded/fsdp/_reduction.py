@@ -101,6 +101,11 @@ class Reduction:
     def hybrid(self) -> bool:
         return self.settings.replicate_group is not None
 
+    @property
+    def defers_all_reduce(self) -> bool:
+        """Hybrid with the all-reduce deferred: it will keep the scattered sum, not land it."""
+        return self.hybrid and not self.settings.all_reduce_now
+
     def advance(self) -> torch.Tensor:
         """Wait for the reduce-scatter and start the all-reduce across replicas, if any; return
         this rank's row."""
@@ -211,6 +216,11 @@ class GradientReducer:
             settings.replicate_group, settings.land_unused, info.device, _land_gradients,
         )
 
+    @property
+    def holds_partial(self) -> bool:
+        """A deferred all-reduce left a scattered sum for a later backward."""
+        return self._partial is not None
+
     def drop_partial(self) -> None:
         """Forget the scattered sum a deferred all-reduce left (a reset)."""
         self._partial = None
@@ -247,6 +257,10 @@ class UnitReduction:
     @property
     def hybrid(self) -> bool:
         return any(part.hybrid for part in self.parts)
+
+    @property
+    def defers_all_reduce(self) -> bool:
+        return any(isinstance(part, Reduction) and part.defers_all_reduce for part in self.parts)
 
     def advance(self) -> None:
         for part in self.parts:

@@ -11,13 +11,15 @@ first collective can hang on a mismatch, records the orders units start and end 
 (to prefetch the next one's all-gather in forward and in backward), keeps a bounded number of
 gradient reductions in flight, and owns the end of backward: one autograd-engine callback,
 queued when backward first reaches any unit, that sends what is left, waits for every gradient
-in flight, and returns the units to rest.
+in flight, and returns the units to rest. With manual finalization (:mod:`._finalization`) the
+callback keeps what is left instead and leaves the reductions in flight, for
+:meth:`Root.finalize_backward` to send and wait for when the caller says.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -26,6 +28,7 @@ from .._common.checks import check_same_across_ranks
 from .._common.errors import on_rank
 from .._common.in_flight import MAX_REDUCTIONS_IN_FLIGHT, InFlight
 from ._extension import check_no_late_hooks
+from ._finalization import RESET_DROPS_GRADIENTS, GradientReductionHandle
 from ._reduction import UnitReduction
 from ._unit import ShardState, TrainingState, Unit, unit_of, units_under
 from .policies import BackwardPrefetch
@@ -48,6 +51,7 @@ class Root:
         self._this_forward: dict[Unit, None] = {}
         self._ended_this_forward: dict[Unit, None] = {}
         self._reductions: InFlight[UnitReduction] = InFlight()
+        self._kept: dict[Unit, None] = {}  # units whose last backward kept its gradients unsent
 
     @classmethod
     def claim(cls, unit: Unit) -> "Root":
@@ -64,6 +68,12 @@ class Root:
         busy = [u for u in units if u.training_state is not TrainingState.IDLE]
         if busy:
             raise RuntimeError(f"{busy[0]} is in {busy[0].training_state.name} while {unit} starts its first forward as the root")
+        manual = [u for u in units if u is not unit and u.context.finalization.enabled]
+        if manual:
+            raise RuntimeError(on_rank(
+                f"set_manual_backward_finalization must be called on the root module ({unit.module_name}), "
+                f"not on {manual[0].module_name}"
+            ))
         root = cls(unit, units)
         for u in units:
             u.context = unit.context
@@ -100,6 +110,14 @@ class Root:
         return self.unit.context.in_backward
 
     # ------------------------------------------------------------------------ forward
+
+    def check_no_pending_reduction(self) -> None:
+        """A forward of any unit waits for the handle of an asynchronous finalization first."""
+        if self.unit.context.finalization.pending is not None:
+            raise RuntimeError(on_rank(
+                "The previous gradient reduction must be waited on before forward: call wait() on the "
+                "handle finalize_backward(async_op=True) returned"
+            ))
 
     def begin_forward(self) -> None:
         self._this_forward = {}
@@ -164,16 +182,29 @@ class Root:
         """Queue the end-of-backward callback once per backward."""
         if not self.in_backward:
             self.unit.context.in_backward = True
+            self.unit.context.finalization.begin_backward()
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     def post_backward(self, unit: Unit) -> None:
         """``unit``'s backward is done: its gradients go, and (``BACKWARD_POST``) the next
         unit's all-gather starts."""
-        start = unit.post_backward()
-        if start is not None:
-            self._add_reduction(start)
+        # manual finalization follows torch 2.15 (whose pipelining turns sync off between a
+        # microbatch's forward and its backward): the setting when the backward is done decides;
+        # automatic, the setting at the unit's forward, as DDP's no_sync
+        syncs = unit.settings.requires_gradient_sync if self.unit.context.finalization.active else None
+        self._send_or_keep(unit, syncs)
         if unit.settings.backward_prefetch_timing is BackwardPrefetch.BACKWARD_POST:
             self.prefetch_backward(unit)
+
+    def _send_or_keep(self, unit: Unit, syncs: Optional[bool] = None) -> None:
+        """``unit``'s post-backward: start reducing its gradients, or (sync off) note that it
+        keeps them, for a finalization to send."""
+        start = unit.post_backward(syncs)
+        if start is None:
+            self._kept.setdefault(unit)
+            return
+        self._kept.pop(unit, None)
+        self._add_reduction(start)
 
     def _add_reduction(self, start: Callable[[], UnitReduction]) -> None:
         """Start a unit's reduction (``start()`` packs its gradients and sends them), finishing
@@ -193,32 +224,114 @@ class Root:
 
     def reset(self) -> None:
         """``reset_iter_state``: wait for every collective in flight (so the ranks stay in step),
-        drop the gradients they carry, and return every unit to rest."""
+        drop the gradients they carry (on a torch whose reset does, every ``.grad``), and return
+        every unit to rest."""
         for reduction in self._reductions.beyond(0):
             reduction.abandon()
         for u in self.units:
             u.reset()
+            for sp in u.params if RESET_DROPS_GRADIENTS else []:
+                sp.sharded.grad = None
+        self._kept = {}
         self._this_forward = {}
         self._ended_this_forward = {}
         self.unit.context.in_backward = False
+        self.unit.context.finalization.end_iteration()  # a pending handle's wait() now raises
 
     def _finish_backward(self) -> None:
+        """The autograd engine's callback at the end of a backward that reached a unit."""
         try:
+            if self.unit.context.finalization.active:  # manual: keep what is left, for finalize_backward
+                for u in self.units:
+                    if u.needs_post_backward:
+                        self._send_or_keep(u, syncs=False)
+                    u.finish_step()
+                return
             for u in self.units:
                 if u.needs_post_backward:
                     self.post_backward(u)
-            # set_is_last_backward(False) (microbatching): the newest reductions may land later
-            keep = self._max_in_flight() if not self.unit.context.is_last_backward else 0
-            for oldest in self._reductions.beyond(keep):
-                oldest.finish()
-            for streams in {u.streams for u in self.units}:
-                streams.compute_after_reduce_scatter()
-                if any(u.settings.offloads for u in self.units):
-                    streams.host_waits(streams.record())  # gradients copied to the CPU
-            for u in self.units:
-                u.finish_step()
+            if self.unit.context.is_last_backward:
+                self._end_iteration()
+            else:  # set_is_last_backward(False) (microbatching): the newest reductions may land later
+                self._land_reductions(keep=self._max_in_flight())
         finally:
             self.unit.context.in_backward = False
+
+    def _land_reductions(self, keep: int) -> None:
+        """Finish the reductions in flight but the newest ``keep``; return the units to rest."""
+        for oldest in self._reductions.beyond(keep):
+            oldest.finish()
+        for streams in {u.streams for u in self.units}:
+            streams.compute_after_reduce_scatter()
+            if any(u.settings.offloads for u in self.units):
+                streams.host_waits(streams.record())  # gradients copied to the CPU
+        for u in self.units:
+            u.finish_step()
+
+    def _end_iteration(self) -> None:
+        """Every gradient lands; the next backward starts an iteration of its own."""
+        self._land_reductions(keep=0)
+        self.unit.context.finalization.end_iteration()
+
+    # -------------------------------------------------------------- manual finalization
+
+    def finalize_backward(self, unit: Unit, async_op: bool) -> Optional[GradientReductionHandle]:
+        """``finalize_backward`` called on ``unit``'s module: each unit that kept gradients
+        sends them if gradient sync is on now (else keeps them); the others reshard if
+        resharding after backward is on now; then every reduction is waited for, now or, with
+        ``async_op``, at the handle's ``wait()``."""
+        mode = self.unit.context.finalization
+        self._check_finalizable(unit)
+        for u in reversed(self.units):  # innermost first, the root last, as backward sends
+            if u in self._kept and u.settings.requires_gradient_sync:
+                self._send_or_keep(u, syncs=True)
+            elif u.settings.reshard_after_backward:
+                u.reshard()
+        if not async_op:
+            self._end_iteration()
+            return None
+        token = mode.pending = object()
+        return GradientReductionHandle(lambda: self._wait_for_reductions(token))
+
+    def _wait_for_reductions(self, token: object) -> None:
+        if self.unit.context.finalization.pending is not token:
+            raise RuntimeError(on_rank(
+                "This gradient reduction handle was invalidated: reset_iter_state() dropped its reductions"
+            ))
+        self._end_iteration()
+
+    def _check_finalizable(self, unit: Unit) -> None:
+        """torch's conditions on ``finalize_backward``, in its order."""
+        mode = self.unit.context.finalization
+        if mode.pending is not None:
+            raise RuntimeError(on_rank("The previous gradient reduction must be waited on before finalizing backward again"))
+        if unit is not self.unit:
+            raise RuntimeError(on_rank(
+                f"finalize_backward must be called on the root module ({self.unit.module_name}), not on {unit.module_name}"
+            ))
+        if not mode.manual:
+            raise RuntimeError(on_rank(
+                "finalize_backward requires manual backward finalization: call "
+                "set_manual_backward_finalization(True) on the root before forward"
+            ))
+        if self.in_backward:
+            raise RuntimeError(on_rank("finalize_backward must be called after backward completes"))
+        self._check_no_deferred_all_reduce()
+
+    def _check_no_deferred_all_reduce(self) -> None:
+        """Hybrid sharding: finalization ends with every gradient all-reduced across replicas,
+        so an all-reduce deferred by ``set_requires_all_reduce(False)`` is refused, as torch's."""
+        deferring = [u for u in self.units if u.mesh_info.replicate_group is not None and self._defers_all_reduce(u)]
+        if deferring or any(r.defers_all_reduce for r in self._reductions):
+            where = f" for {deferring[0].module_name}" if deferring else ""
+            raise RuntimeError(on_rank(
+                f"manual backward finalization does not support partial gradient reductions{where}: call "
+                "set_requires_all_reduce(True) before the backward and the finalization, or use automatic finalization"
+            ))
+
+    def _defers_all_reduce(self, unit: Unit) -> bool:
+        sends_now = unit in self._kept and unit.settings.requires_gradient_sync
+        return unit.reducer.holds_partial or (sends_now and not unit.settings.requires_all_reduce)
 
 
 def _units_of(modules: list[nn.Module]) -> list[Unit]:

@@ -10,12 +10,13 @@ the model is in its step, and the settings that apply to the whole step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 from torch import nn
 
+from ._finalization import FinalizationMode
 from ._placement.secondary_shard import SecondaryShardGroup
 from .policies import BackwardPrefetch, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
@@ -38,6 +39,7 @@ class UnitSettings:
     secondary_shard: Optional[SecondaryShardGroup] = None
     reshard_after_backward: bool = True
     unshard_in_backward: bool = True
+    keep_unsharded_storage: bool = False  # reshard keeps the gathered storage (its data pointers)
     unshard_async_op: bool = True  # False: the forward's all-gather lands before prefetches start
     custom_all_gather: Optional[Any] = None  # a torch.distributed.fsdp.AllGather
     # prefetching: fully_shard modules to gather next (None: the unit after this one last time)
@@ -81,3 +83,4 @@ class StepContext:
     in_backward: bool = False  # the root's: from the first unit backward reaches to the end of backward
     is_last_backward: bool = True  # set_is_last_backward
     post_optim_event: Optional[Any] = None  # set_post_optim_event
+    finalization: FinalizationMode = field(default_factory=FinalizationMode)  # set_manual_backward_finalization

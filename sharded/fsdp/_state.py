@@ -53,6 +53,7 @@ class UnitState:
 
     def pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
         root, unit = self._claimed_root(), self.unit
+        root.check_no_pending_reduction()
         if root.in_backward and not unit.runs_as_new_forward():
             unit.unshard()  # recomputed for a backward already set up (non-reentrant checkpointing)
             return args, kwargs

@@ -224,11 +224,12 @@ class Unit:
         self._show_shards()
 
     def _show_shards(self) -> None:
-        """The module holds the shards again; the gathered memory is freed."""
+        """The module holds the shards again; the gathered memory is freed, unless
+        ``set_keep_unsharded_storage`` keeps it (the next gather refills it in place)."""
         for sp in self.params:
             sp.show_sharded()
         self.streams.all_gather_after_compute()
-        for gather in self.gathers:
+        for gather in self.gathers if not self.settings.keep_unsharded_storage else []:
             gather.free()
         self.shard_state = ShardState.SHARDED
 
@@ -310,13 +311,14 @@ class Unit:
             return any(sp.unsharded is not None and sp.unsharded.grad is not None for sp in self.params)
         return self.backward.awaiting
 
-    def post_backward(self) -> Optional[Callable[[], UnitReduction]]:
+    def post_backward(self, syncs: Optional[bool] = None) -> Optional[Callable[[], UnitReduction]]:
         """The unit's backward is done: take its gradients (with sync off, keep them locally),
         then reshard. Returns what starts sending them, for the root to call when a reduction
-        may start (``None``: nothing to send)."""
+        may start (``None``: nothing to send). ``syncs``: whether to send, instead of the sync
+        setting of the unit's last forward (manual finalization decides at its own time)."""
         self.training_state = TrainingState.POST_BACKWARD
         trainable = [sp for sp in self.params if sp.requires_grad]
-        sending = bool(trainable) and self.backward.syncs
+        sending = bool(trainable) and (self.backward.syncs if syncs is None else syncs)
         grads = [sp.take_unsharded_grad(self.reduce_dtype) for sp in trainable] if sending else []
         if not sending:
             for sp in trainable:
