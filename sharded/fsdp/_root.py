@@ -26,6 +26,7 @@ from .._common.checks import check_same_across_ranks
 from .._common.errors import on_rank
 from .._common.in_flight import MAX_REDUCTIONS_IN_FLIGHT, InFlight
 from ._extension import check_no_late_hooks
+from ._graph_task import accumulates_gradient
 from ._reduction import UnitReduction
 from ._unit import ShardState, TrainingState, Unit, unit_of, units_under
 from .policies import BackwardPrefetch
@@ -48,6 +49,7 @@ class Root:
         self._this_forward: dict[Unit, None] = {}
         self._ended_this_forward: dict[Unit, None] = {}
         self._reductions: InFlight[UnitReduction] = InFlight()
+        self._fills_grads_by_task: dict[int, bool] = {}  # of this backward's graph tasks
 
     @classmethod
     def claim(cls, unit: Unit) -> "Root":
@@ -166,10 +168,24 @@ class Root:
             self.unit.context.in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
+    def _fills_grads(self) -> bool:
+        """Whether the running backward accumulates into the gathered parameters of any unit
+        (``torch.autograd.grad`` does not: it returns what it was asked for). Decided for the
+        whole model, never per unit (a unit whose parameters a rank's forward happened not to use
+        still sends zeros, as the other ranks' reduction expects), once per graph task: the
+        backward a reentrant checkpoint runs inside another differentiates other parameters."""
+        task = torch._C._current_graph_task_id()
+        if task == -1:  # called outside any backward
+            return True
+        if task not in self._fills_grads_by_task:
+            gathered = (sp.unsharded for u in self.units for sp in u.params if sp.requires_grad)
+            self._fills_grads_by_task[task] = any(accumulates_gradient(p) for p in gathered if p is not None and p.requires_grad)
+        return self._fills_grads_by_task[task]
+
     def post_backward(self, unit: Unit) -> None:
         """``unit``'s backward is done: its gradients go, and (``BACKWARD_POST``) the next
         unit's all-gather starts."""
-        start = unit.post_backward()
+        start = unit.post_backward(self._fills_grads())
         if start is not None:
             self._add_reduction(start)
         if unit.settings.backward_prefetch_timing is BackwardPrefetch.BACKWARD_POST:
@@ -201,6 +217,7 @@ class Root:
         self._this_forward = {}
         self._ended_this_forward = {}
         self.unit.context.in_backward = False
+        self._fills_grads_by_task = {}
 
     def _finish_backward(self) -> None:
         try:
@@ -219,6 +236,7 @@ class Root:
                 u.finish_step()
         finally:
             self.unit.context.in_backward = False
+            self._fills_grads_by_task = {}
 
 
 def _units_of(modules: list[nn.Module]) -> list[Unit]:

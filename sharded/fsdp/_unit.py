@@ -310,12 +310,13 @@ class Unit:
             return any(sp.unsharded is not None and sp.unsharded.grad is not None for sp in self.params)
         return self.backward.awaiting
 
-    def post_backward(self) -> Optional[Callable[[], UnitReduction]]:
+    def post_backward(self, fills_grads: bool = True) -> Optional[Callable[[], UnitReduction]]:
         """The unit's backward is done: take its gradients (with sync off, keep them locally),
         then reshard. Returns what starts sending them, for the root to call when a reduction
-        may start (``None``: nothing to send)."""
+        may start (``None``: nothing to send). ``fills_grads=False``: the backward filled no
+        ``.grad`` (``torch.autograd.grad``), and the unit leaves its gradients as they are."""
         self.training_state = TrainingState.POST_BACKWARD
-        trainable = [sp for sp in self.params if sp.requires_grad]
+        trainable = [sp for sp in self.params if sp.requires_grad] if fills_grads else []
         sending = bool(trainable) and self.backward.syncs
         grads = [sp.take_unsharded_grad(self.reduce_dtype) for sp in trainable] if sending else []
         if not sending:
