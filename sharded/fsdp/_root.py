@@ -219,6 +219,11 @@ class Root:
         self.unit.context.in_backward = False
         self._fills_grads_by_task = {}
 
+    def finish_backward(self) -> None:
+        """End the backward now: what the end-of-backward callback does, for torch's pipelining
+        schedules, which end their micro-batches' backward themselves."""
+        self._finish_backward()
+
     def _finish_backward(self) -> None:
         try:
             for u in self.units:

@@ -317,7 +317,7 @@ class Unit:
         ``.grad`` (``torch.autograd.grad``), and the unit leaves its gradients as they are."""
         self.training_state = TrainingState.POST_BACKWARD
         trainable = [sp for sp in self.params if sp.requires_grad] if fills_grads else []
-        sending = bool(trainable) and self.backward.syncs
+        sending = bool(trainable) and self._syncs()
         grads = [sp.take_unsharded_grad(self.reduce_dtype) for sp in trainable] if sending else []
         if not sending:
             for sp in trainable:
@@ -327,6 +327,13 @@ class Unit:
         if not sending:
             return None
         return lambda: self.reducer.start(trainable, grads, self.reduce_dtype, self.labels)
+
+    def _syncs(self) -> bool:
+        """Whether the gradients go now: ``requires_gradient_sync`` as it is (torch's FSDP2
+        reads it in backward, where pipelining schedules turn it off), and as it was at the
+        forward whose backward this is (DDP's habit: a forward inside ``no_sync``). Outside a
+        backward (a schedule sending what its micro-batches accumulated), as it is."""
+        return self.settings.requires_gradient_sync and (self.backward.syncs or not self.backward.awaiting)
 
     def reset(self) -> None:
         """Back to rest after a failed forward or backward: gathered parameters freed, the
