@@ -182,10 +182,10 @@ class _TorchParamGroup:
 def register_with_torch(modules: list[nn.Module], state: UnitState) -> None:
     """Make ``state`` what torch's own ``fully_shard.state(module)`` returns for ``modules``, where
     torch's pipelining looks a stage's FSDP state up (it asks ``isinstance(m, FSDPModule)``,
-    which ours are, then reads torch's state). Where torch keeps composable states otherwise
-    (no ``STATE_KEY``, or its ``fully_shard`` not a wrapped function), nothing is registered."""
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
+    which ours are, then reads torch's state). torch's function is taken where torch defines it,
+    which ``use_for_torch_fsdp`` leaves alone. Where torch keeps composable states otherwise (no
+    ``STATE_KEY``, or its ``fully_shard`` not a wrapped function), nothing is registered."""
+    torch_fully_shard = importlib.import_module("torch.distributed.fsdp._fully_shard._fully_shard").fully_shard
     contract = importlib.import_module("torch.distributed._composable.contract")  # the package's name is the function
     key, func = getattr(contract, "STATE_KEY", None), getattr(torch_fully_shard, "__wrapped__", None)
     if key is None or func is None:
