@@ -206,7 +206,7 @@ def _members(rank, world):
         (lambda: fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Replicate()), ["shard_placement_fn", "Replicate()"]),
         (lambda: model.set_symm_mem_for_comm(), ["set_symm_mem_for_comm"]),
         (lambda: model.set_allocate_memory_from_process_group_for_comm(True), ["set_allocate_memory_from_process_group_for_comm"]),
-        (lambda: model._get_fsdp_state()._fsdp_param_groups, ["_fsdp_param_groups"]),
+        (lambda: model._get_fsdp_state()._comm_ctx, ["_comm_ctx"]),
     ):
         with pytest.raises(NotImplementedError) as raised:
             call()

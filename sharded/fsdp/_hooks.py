@@ -21,9 +21,8 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
-
 from .._common.weak_hooks import weak_method_hook
+from ._graph_task import AllGradientsWatch
 
 __all__ = [
     "install_forward_hooks",
@@ -97,20 +96,20 @@ def cast_floats(obj: Any, dtype: torch.dtype) -> Any:
     return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, obj)
 
 
-def watch_input_gradients(callback: Callable[[], None], args: Any, kwargs: Any) -> Optional[RemovableHandle]:
+def watch_input_gradients(callback: Callable[[], None], args: Any, kwargs: Any) -> Optional[AllGradientsWatch]:
     """Call ``callback()`` once backward has computed the gradients of every tensor in
-    ``args``/``kwargs`` that requires grad (the module's own backward is then done); returns the
-    hook's handle, or ``None`` if there was no such tensor. A gradient hook, not an identity
-    function: the inputs stay the tensors they were, so the module may still modify them in
-    place. ``callback`` is a bound method, whose object the hook holds weakly: the graph's hooks
-    are out of the cycle collector's sight (see :mod:`sharded._common.weak_hooks`). torch's
-    multi-gradient hook is itself a cycle through the inputs' autograd nodes (its closure holds
-    them, they hold it): remove the handle once the step is over, or the graph waits for a full
-    collection."""
+    ``args``/``kwargs`` that requires grad and that this backward differentiates (the module's
+    own backward is then done); returns the watch, or ``None`` if there was no such tensor. A
+    gradient hook, not an identity function: the inputs stay the tensors they were, so the
+    module may still modify them in place. ``callback`` is a bound method, whose object the hook
+    holds weakly: the graph's hooks are out of the cycle collector's sight (see
+    :mod:`sharded._common.weak_hooks`). The watch itself is a cycle through the inputs' autograd
+    nodes: remove it once the step is over, or the graph waits for a full collection. It counts
+    what ``torch.autograd.grad`` computes too (:class:`~._graph_task.AllGradientsWatch`)."""
     needing = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
     if not needing:
         return None
-    return torch.autograd.graph.register_multi_grad_hook(needing, weak_method_hook(callback), mode="all")
+    return AllGradientsWatch(needing, weak_method_hook(callback))
 
 
 def register_pre_backward(callback: Callable[[], None], output: Any) -> None:
@@ -151,7 +150,7 @@ class BackwardTracker:
         self._open_calls = 0  # grad-enabled forward calls whose inputs' gradients are pending
         self._done_at_end = False  # a call had no input needing a gradient
         self._on_done: Callable[[], None] = _nothing  # the watched calls' on_done
-        self._watches: list[RemovableHandle] = []  # their hooks, taken off when the step is over
+        self._watches: list[AllGradientsWatch] = []  # their hooks, taken off when the step is over
 
     def watch_forward_call(self, args: Any, kwargs: Any, syncs: bool, on_done: Callable[[], None]) -> None:
         """A grad-enabled forward call with inputs ``args`` / ``kwargs``: call ``on_done()`` when

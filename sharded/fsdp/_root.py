@@ -29,6 +29,7 @@ from .._common.errors import on_rank
 from .._common.in_flight import MAX_REDUCTIONS_IN_FLIGHT, InFlight
 from ._extension import check_no_late_hooks
 from ._finalization import RESET_DROPS_GRADIENTS, GradientReductionHandle
+from ._graph_task import accumulates_gradient
 from ._reduction import UnitReduction
 from ._unit import ShardState, TrainingState, Unit, unit_of, units_under
 from .policies import BackwardPrefetch
@@ -52,6 +53,7 @@ class Root:
         self._ended_this_forward: dict[Unit, None] = {}
         self._reductions: InFlight[UnitReduction] = InFlight()
         self._kept: dict[Unit, None] = {}  # units whose last backward kept its gradients unsent
+        self._fills_grads_by_task: dict[int, bool] = {}  # of this backward's graph tasks
 
     @classmethod
     def claim(cls, unit: Unit) -> "Root":
@@ -185,6 +187,20 @@ class Root:
             self.unit.context.finalization.begin_backward()
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
+    def _fills_grads(self) -> bool:
+        """Whether the running backward accumulates into the gathered parameters of any unit
+        (``torch.autograd.grad`` does not: it returns what it was asked for). Decided for the
+        whole model, never per unit (a unit whose parameters a rank's forward happened not to use
+        still sends zeros, as the other ranks' reduction expects), once per graph task: the
+        backward a reentrant checkpoint runs inside another differentiates other parameters."""
+        task = torch._C._current_graph_task_id()
+        if task == -1:  # called outside any backward
+            return True
+        if task not in self._fills_grads_by_task:
+            gathered = (sp.unsharded for u in self.units for sp in u.params if sp.requires_grad)
+            self._fills_grads_by_task[task] = any(accumulates_gradient(p) for p in gathered if p is not None and p.requires_grad)
+        return self._fills_grads_by_task[task]
+
     def post_backward(self, unit: Unit) -> None:
         """``unit``'s backward is done: its gradients go, and (``BACKWARD_POST``) the next
         unit's all-gather starts."""
@@ -199,9 +215,11 @@ class Root:
     def _send_or_keep(self, unit: Unit, syncs: Optional[bool] = None) -> None:
         """``unit``'s post-backward: start reducing its gradients, or (sync off) note that it
         keeps them, for a finalization to send."""
-        start = unit.post_backward(syncs)
+        fills_grads = self._fills_grads()
+        start = unit.post_backward(fills_grads, syncs)
         if start is None:
-            self._kept.setdefault(unit)
+            if fills_grads:  # under torch.autograd.grad nothing was taken, so nothing is kept
+                self._kept.setdefault(unit)
             return
         self._kept.pop(unit, None)
         self._add_reduction(start)
@@ -237,6 +255,12 @@ class Root:
         self._ended_this_forward = {}
         self.unit.context.in_backward = False
         self.unit.context.finalization.end_iteration()  # a pending handle's wait() now raises
+        self._fills_grads_by_task = {}
+
+    def finish_backward(self) -> None:
+        """End the backward now: what the end-of-backward callback does, for torch's pipelining
+        schedules, which end their micro-batches' backward themselves."""
+        self._finish_backward()
 
     def _finish_backward(self) -> None:
         """The autograd engine's callback at the end of a backward that reached a unit."""
@@ -256,6 +280,7 @@ class Root:
                 self._land_reductions(keep=self._max_in_flight())
         finally:
             self.unit.context.in_backward = False
+            self._fills_grads_by_task = {}
 
     def _land_reductions(self, keep: int) -> None:
         """Finish the reductions in flight but the newest ``keep``; return the units to rest."""

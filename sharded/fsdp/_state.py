@@ -15,6 +15,7 @@ run unit <- root <- state, with no way back up.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, Optional
 
 import torch
@@ -26,7 +27,7 @@ from ._root import Root
 from ._unit import TrainingState, Unit
 from .policies import BackwardPrefetch
 
-__all__ = ["UnitState", "state_of"]
+__all__ = ["UnitState", "state_of", "register_with_torch"]
 
 # on the unit's modules, beside the unit itself (see _unit.unit_of)
 _STATE_ATTRIBUTE = "_sharded_fsdp_state"
@@ -135,8 +136,60 @@ class UnitState:
     def _post_forward(self, module: nn.Module, _input: Any, output: Any) -> Any:
         return self.post_forward(module, output)
 
+    # torch 2.13's pipelining ends its micro-batches' backward itself
+    # (PipelineStage.perform_reduce_grad): each param group's post_backward() for every state
+    # under the stage's root, then the root's final callback
+
+    @property
+    def _state_ctx(self) -> "_TorchStateContext":
+        return _TorchStateContext([state_of(u.module) for u in self._running_root().units])
+
+    @property
+    def _fsdp_param_groups(self) -> list["_TorchParamGroup"]:
+        return [_TorchParamGroup(self)]
+
+    def _root_post_backward_final_callback(self) -> None:
+        self._running_root().finish_backward()
+
+    def send_gradients(self) -> None:
+        """Send what the unit holds now (what its backward computed, with what it accumulated
+        while sync was off), as torch's param group ``post_backward()`` does."""
+        self._running_root().post_backward(self.unit)
+
     def __getattr__(self, name: str) -> Any:
         raise NotImplementedError(on_rank(
             f"torch FSDP internals asked a sharded.fully_shard module for FSDPState.{name}; sharded's "
             "units keep their state in sharded.fsdp, not in torch's FSDPState"
         ))
+
+
+class _TorchStateContext:
+    """torch's ``FSDPStateContext``, as far as its pipelining reads it: the model's states."""
+
+    def __init__(self, all_states: list[Optional[UnitState]]) -> None:
+        self.all_states = all_states
+
+
+class _TorchParamGroup:
+    """torch's ``FSDPParamGroup``, as far as its pipelining calls it."""
+
+    def __init__(self, state: UnitState) -> None:
+        self._state = state
+
+    def post_backward(self) -> None:
+        self._state.send_gradients()
+
+
+def register_with_torch(modules: list[nn.Module], state: UnitState) -> None:
+    """Make ``state`` what torch's own ``fully_shard.state(module)`` returns for ``modules``, where
+    torch's pipelining looks a stage's FSDP state up (it asks ``isinstance(m, FSDPModule)``,
+    which ours are, then reads torch's state). torch's function is taken where torch defines it,
+    which ``use_for_torch_fsdp`` leaves alone. Where torch keeps composable states otherwise (no
+    ``STATE_KEY``, or its ``fully_shard`` not a wrapped function), nothing is registered."""
+    torch_fully_shard = importlib.import_module("torch.distributed.fsdp._fully_shard._fully_shard").fully_shard
+    contract = importlib.import_module("torch.distributed._composable.contract")  # the package's name is the function
+    key, func = getattr(contract, "STATE_KEY", None), getattr(torch_fully_shard, "__wrapped__", None)
+    if key is None or func is None:
+        return
+    for module in modules:
+        module.__dict__.setdefault(key, {})[func] = state

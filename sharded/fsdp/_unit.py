@@ -311,14 +311,16 @@ class Unit:
             return any(sp.unsharded is not None and sp.unsharded.grad is not None for sp in self.params)
         return self.backward.awaiting
 
-    def post_backward(self, syncs: Optional[bool] = None) -> Optional[Callable[[], UnitReduction]]:
+    def post_backward(self, fills_grads: bool = True, syncs: Optional[bool] = None) -> Optional[Callable[[], UnitReduction]]:
         """The unit's backward is done: take its gradients (with sync off, keep them locally),
         then reshard. Returns what starts sending them, for the root to call when a reduction
-        may start (``None``: nothing to send). ``syncs``: whether to send, instead of the sync
-        setting of the unit's last forward (manual finalization decides at its own time)."""
+        may start (``None``: nothing to send). ``fills_grads=False``: the backward filled no
+        ``.grad`` (``torch.autograd.grad``), and the unit leaves its gradients as they are.
+        ``syncs``: whether to send, instead of the sync setting that applies to this backward
+        (manual finalization decides at its own time)."""
         self.training_state = TrainingState.POST_BACKWARD
-        trainable = [sp for sp in self.params if sp.requires_grad]
-        sending = bool(trainable) and (self.backward.syncs if syncs is None else syncs)
+        trainable = [sp for sp in self.params if sp.requires_grad] if fills_grads else []
+        sending = bool(trainable) and (self._syncs() if syncs is None else syncs)
         grads = [sp.take_unsharded_grad(self.reduce_dtype) for sp in trainable] if sending else []
         if not sending:
             for sp in trainable:
@@ -328,6 +330,13 @@ class Unit:
         if not sending:
             return None
         return lambda: self.reducer.start(trainable, grads, self.reduce_dtype, self.labels)
+
+    def _syncs(self) -> bool:
+        """Whether the gradients go now: ``requires_gradient_sync`` as it is (torch's FSDP2
+        reads it in backward, where pipelining schedules turn it off), and as it was at the
+        forward whose backward this is (DDP's habit: a forward inside ``no_sync``). Outside a
+        backward (a schedule sending what its micro-batches accumulated), as it is."""
+        return self.settings.requires_gradient_sync and (self.backward.syncs or not self.backward.awaiting)
 
     def reset(self) -> None:
         """Back to rest after a failed forward or backward: gathered parameters freed, the

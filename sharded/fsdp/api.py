@@ -39,7 +39,7 @@ from ._placement.secondary_shard import secondary_shard_group, secondary_shard_w
 from ._placement.spmd import resolve_spmd_mesh, spmd_layout
 from ._registry import install_optimizer_guard, register_sharded, retire
 from ._settings import UnitSettings
-from ._state import UnitState, state_of
+from ._state import UnitState, register_with_torch, state_of
 from ._owned_routes import route_torch_for_owned
 from ._unit import Unit
 from .policies import MixedPrecisionPolicy, OffloadPolicy
@@ -149,6 +149,7 @@ def fully_shard(
     _check_tensor_parallel_params(params)
     unit = Unit(modules, params, info, _unit_settings(info, params, mp_policy, offload_policy, reshard_after_forward))
     state = UnitState(unit)
+    register_with_torch(modules, state)
     unit.shard_from_full([local_tensor_of(param) for _, param, _ in taken])
     for sp, (_, original, _) in zip(params, taken):
         sp.show_sharded()
