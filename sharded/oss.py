@@ -96,6 +96,8 @@ class OSS(Optimizer):
     """
 
     _partition: Partition  # set once Optimizer.__init__ has added the initial groups
+    # consolidate_state_dict's argument, as errors name it (torch's ZeroRedundancyOptimizer: "to")
+    _recipient_argument = "recipient_rank"
 
     def __init__(
         self,
@@ -371,15 +373,15 @@ class OSS(Optimizer):
 
         Collective. Afterwards ``state_dict()`` on the recipient returns it, until the next step.
         """
-        self._consolidate_on(recipient_rank, "recipient_rank")
+        self._consolidate_on(recipient_rank)
 
-    def _consolidate_on(self, recipient_rank: int, argument: str) -> None:
+    def _consolidate_on(self, recipient_rank: int) -> None:
         """The consolidation itself, under a name subclasses leave alone (torch's class calls
-        the public method's argument ``to``); ``argument`` names it in errors."""
+        the public method's argument ``to``)."""
         if not -1 <= recipient_rank < self.world_size:
             raise ValueError(
                 on_rank(
-                    f"{argument} {recipient_rank} is outside 0..{self.world_size - 1} (or -1)",
+                    f"{self._recipient_argument} {recipient_rank} is outside 0..{self.world_size - 1} (or -1)",
                     self.rank,
                 )
             )
@@ -402,12 +404,12 @@ class OSS(Optimizer):
         user changed after the consolidation are saved as they are. Each call returns new dicts.
         """
         if all_ranks:
-            self._consolidate_on(-1, "recipient_rank")
+            self._consolidate_on(-1)
         if self._consolidated is None:
             raise RuntimeError(
                 on_rank(
                     "no consolidated optimizer state on this rank since the last "
-                    f"step; call consolidate_state_dict(recipient_rank={self.rank}) on all ranks "
+                    f"step; call consolidate_state_dict({self._recipient_argument}={self.rank}) on all ranks "
                     "first, or state_dict(all_ranks=True)",
                     self.rank,
                 )

@@ -62,6 +62,8 @@ class ZeroRedundancyOptimizer(OSS, _TorchZeroRedundancyOptimizer):
         **defaults: the optimizer's hyperparameters (``lr``, ``betas``, ...).
     """
 
+    _recipient_argument = "to"
+
     def __init__(
         self,
         params: Union[Iterable[torch.Tensor], Iterable[dict[str, Any]]],
@@ -93,7 +95,7 @@ class ZeroRedundancyOptimizer(OSS, _TorchZeroRedundancyOptimizer):
         """Gather the full optimizer state on rank ``to`` of the process group (``-1``: on
         every rank). Collective: every rank calls it. Afterwards :meth:`state_dict` on that rank
         returns the plain optimizer's state dict, until the next ``step()``."""
-        self._consolidate_on(to, "to")
+        self._consolidate_on(to)
 
     # What torch's class holds in attributes that its own helpers (the join hook, the DDP comm
     # hooks) and clients read, derived here from OSS's state.
