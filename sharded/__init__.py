@@ -16,7 +16,7 @@ that every stage reaches the same bits at any number of ranks.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import checkpoint
 from .grad_scaler import ShardedGradScaler
@@ -25,6 +25,9 @@ from .sharded_ddp import ShardedDataParallel
 from ._memory.estimate import MemoryEstimate, estimate_memory
 from ._common.step_cost import newton_schulz_cost
 from .fsdp import __getattr__ as _fsdp_getattr
+
+if TYPE_CHECKING:  # imported on first use at run time (see __getattr__); typed for checkers
+    from .zero_redundancy_optimizer import ZeroRedundancyOptimizer
 
 __version__ = "0.2.0"
 
