@@ -123,6 +123,7 @@ def _check_oss_keeps_storage_on_request(rank, world):
     kept.parameters_as_bucket_view = True
     default.parameters_as_bucket_view = False
     moved = [p.data_ptr() for p in default_model.parameters()]
+    assert len({p.untyped_storage().data_ptr() for p in default_model.parameters()}) == len(moved)
     assert not _storage_kept(kept_model, kept_pointers)
     for model, optimizer in ((kept_model, kept), (default_model, default)):
         _train(model, optimizer, rank, 1, first_step=STEPS)

@@ -90,7 +90,8 @@ class ParamBroadcaster:
         old = self._buckets
         buckets = plan_broadcasts(trainable_by_owner, self.bucket_numel)
         self._buckets = _in_order_of_use(make_resident(buckets) if self.resident else buckets, partition.params)
-        release_residents(old, keep=self._buckets)
+        # a parameter no new flat buffer holds (a bucket of its own, or no residency) leaves the old
+        release_residents(old, keep=[b for b in self._buckets if b.flat is not None])
         self._bucket_of = {id(t): i for i, bucket in enumerate(self._buckets) for t in bucket.tensors}
         self._partition = partition
 
