@@ -133,7 +133,7 @@ def _check_oss_keeps_storage_on_request(rank, world):
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_parameters_and_state_dicts_equal_torchs_class_and_ddp_in_both_bucket_modes(world_size):
-    run_on_ranks(_check_steps_state_dicts_and_bucket_views, world_size, timeout=180)
+    run_on_ranks(_check_steps_state_dicts_and_bucket_views, world_size, timeout=300)
     run_on_ranks(_check_oss_keeps_storage_on_request, world_size)
 
 
@@ -244,7 +244,7 @@ def _check_clients_save_what_they_save_with_torchs_class(rank, world):
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_clients_branching_on_torchs_class_save_and_train_alike(world_size):
-    run_on_ranks(_check_clients_save_what_they_save_with_torchs_class, world_size, timeout=180)
+    run_on_ranks(_check_clients_save_what_they_save_with_torchs_class, world_size, timeout=300)
 
 
 def test_class_is_torchs_with_osss_methods_first():
