@@ -1,10 +1,11 @@
 """sharded: ZeRO-style sharding of optimizer state, gradients and parameters for PyTorch.
 
-Three layers: ``OSS`` shards optimizer state (layer 1, ZeRO-1); ``ShardedDataParallel`` adds
-gradient sharding (layer 2, ZeRO-2), with fairscale's names and signatures, so
-``from sharded import OSS, ShardedDataParallel`` is a drop-in; ``fully_shard`` (torch FSDP2's
-API) and ``FullyShardedDataParallel`` (FSDP1's) also shard the parameters (layer 3, ZeRO-3,
-``sharded.fsdp``, imported on first use). ``ShardedGradScaler`` makes mixed precision agree
+Three layers: ``OSS`` shards optimizer state (layer 1, ZeRO-1; ``ZeroRedundancyOptimizer`` is
+the same engine behind torch's ``ZeroRedundancyOptimizer`` interface, imported on first use);
+``ShardedDataParallel`` adds gradient sharding (layer 2, ZeRO-2), with fairscale's names and
+signatures, so ``from sharded import OSS, ShardedDataParallel`` is a drop-in; ``fully_shard``
+(torch FSDP2's API) and ``FullyShardedDataParallel`` (FSDP1's) also shard the parameters (layer
+3, ZeRO-3, ``sharded.fsdp``, imported on first use). ``ShardedGradScaler`` makes mixed precision agree
 across shards. ``sharded.checkpoint`` saves and loads sharded, resharding checkpoints for every
 layer; ``sharded.lightning`` (optional) offers all three as Lightning strategies.
 ``estimate_memory`` and ``plan`` say what each stage holds per rank, and which fit a budget.
@@ -15,7 +16,7 @@ that every stage reaches the same bits at any number of ranks.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import checkpoint
 from .grad_scaler import ShardedGradScaler
@@ -26,10 +27,14 @@ from ._memory.estimate import MemoryEstimate, estimate_memory
 from ._common.step_cost import newton_schulz_cost
 from .fsdp import __getattr__ as _fsdp_getattr
 
+if TYPE_CHECKING:  # imported on first use at run time (see __getattr__); typed for checkers
+    from .zero_redundancy_optimizer import ZeroRedundancyOptimizer
+
 __version__ = "0.2.0"
 
 __all__ = [
     "OSS",
+    "ZeroRedundancyOptimizer",
     "ShardedDataParallel",
     "ShardedGradScaler",
     "hook_with_zero_step",
@@ -46,7 +51,8 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """Layer 3 (``fully_shard``, ``FullyShardedDataParallel``...) and ``plan``, on first use.
+    """Layer 3 (``fully_shard``, ``FullyShardedDataParallel``...), ``plan`` and
+    ``ZeroRedundancyOptimizer`` (which imports ``torch.distributed.optim``), on first use.
 
     ``plan`` lives in ``sharded/plan.py``, which is also the ``python -m sharded.plan`` command;
     importing that module sets the package attribute ``plan`` to the module, so the function is
@@ -58,6 +64,11 @@ def __getattr__(name: str) -> Any:
 
         globals()["plan"] = plan
         return plan
+    if name == "ZeroRedundancyOptimizer":
+        from .zero_redundancy_optimizer import ZeroRedundancyOptimizer
+
+        globals()[name] = ZeroRedundancyOptimizer
+        return ZeroRedundancyOptimizer
     return _fsdp_getattr(name)
 
 

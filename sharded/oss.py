@@ -62,10 +62,12 @@ class OSS(Optimizer, Joinable):
     weight decay); parameters that cannot have one, such as integer tables, are carried along
     and never stepped.
 
-    After every ``step()`` the owners broadcast the updated parameters in flat buckets. The
-    trainable parameters live in those buckets (their ``.data`` is a view of one), so nothing is
-    copied to send or receive them; a tensor taken from ``param.data`` before ``OSS`` was built
-    is a stale copy. Frozen parameters that were stepped travel in extra buckets, agreed on with
+    After every ``step()`` the owners broadcast the updated parameters in flat buckets. By
+    default the trainable parameters live in those buckets (their ``.data`` is a view of one), so
+    nothing is copied to send or receive them; a tensor taken from ``param.data`` before ``OSS``
+    was built is then a stale copy. ``parameters_as_bucket_view=False`` leaves each parameter's
+    storage where it is (``p.data_ptr()`` never changes), at the price of packing each bucket
+    into a message and unpacking it at every step. Frozen parameters that were stepped travel in extra buckets, agreed on with
     one small all-reduce per step that only models with frozen parameters pay.
 
     ``OSS`` is itself a ``torch.optim.Optimizer``: ``param_groups`` lists every parameter and is
@@ -103,10 +105,17 @@ class OSS(Optimizer, Joinable):
             of DDP with the same hook and the plain optimizer from the first step on. The wrapped
             optimizer must step each parameter on its own (torch's optimizers but LBFGS do), and
             clipping or gradient scaling cannot run between the backward and this step.
+        parameters_as_bucket_view: keyword-only: ``True`` (fairscale's behaviour) makes the
+            trainable parameters views of the broadcast buckets; ``False`` (torch
+            ``ZeroRedundancyOptimizer``'s default) leaves their storage alone, and each step
+            holds a packed copy of every bucket of several parameters while the broadcasts
+            are in flight (``sharded.estimate_memory(..., parameters_as_bucket_view=False)``).
         **defaults: hyperparameters for ``optim`` (``lr``, ``momentum``, ...).
     """
 
     _partition: Partition  # set once Optimizer.__init__ has added the initial groups
+    # consolidate_state_dict's argument, as errors name it (torch's ZeroRedundancyOptimizer: "to")
+    _recipient_argument = "recipient_rank"
 
     def __init__(
         self,
@@ -119,6 +128,7 @@ class OSS(Optimizer, Joinable):
         *,
         param_cost: Optional[ParamCost] = None,
         overlap_with_ddp: bool = False,
+        parameters_as_bucket_view: bool = True,
         **defaults: Any,
     ) -> None:
         check_optimizer_class(optim)
@@ -131,7 +141,9 @@ class OSS(Optimizer, Joinable):
         self.world_size = comm.group_size(self.group)
         self.global_rank = comm.global_rank(self.group, self.rank)
         # The owners' broadcasts after each step (ShardedDataParallel's overlap waits on them).
-        self.broadcaster = ParamBroadcaster(self.group, broadcast_buffer_size, broadcast_fp16)
+        self.broadcaster = ParamBroadcaster(
+            self.group, broadcast_buffer_size, broadcast_fp16, resident=bool(parameters_as_bucket_view)
+        )
         self.force_broadcast_object = force_broadcast_object
         self._consolidated: Optional[dict[int, Any]] = None  # global index -> state, on recipients
         self._warned_trainability_change = False
@@ -142,7 +154,9 @@ class OSS(Optimizer, Joinable):
         # The steps a DDP comm hook runs bucket by bucket (sharded.hook_with_zero_step), if asked.
         self._bucket_steps = self._bucket_steps_for() if overlap_with_ddp else None
 
-        super().__init__(as_param_groups(params, self.rank), defaults)
+        # Optimizer's own constructor, named: a subclass may list another optimizer class after
+        # OSS (sharded.ZeroRedundancyOptimizer derives from torch's too), whose __init__ must not run.
+        Optimizer.__init__(self, as_param_groups(params, self.rank), defaults)
         Joinable.__init__(self)
         self._check_same_params_on_all_ranks()
         partition = self._build_partition()
@@ -205,6 +219,17 @@ class OSS(Optimizer, Joinable):
     @broadcast_buffer_size.setter
     def broadcast_buffer_size(self, numel: int) -> None:
         self.broadcaster.bucket_numel = numel
+
+    @property
+    def parameters_as_bucket_view(self) -> bool:
+        """Whether the trainable parameters are views of the broadcast buckets (settable: the
+        buckets are planned again, and parameters leaving them get storage of their own)."""
+        return self.broadcaster.resident
+
+    @parameters_as_bucket_view.setter
+    def parameters_as_bucket_view(self, enabled: bool) -> None:
+        self.broadcaster.resident = bool(enabled)
+        self.broadcaster.plan(self._partition)
 
     @property
     def broadcast_fp16(self) -> bool:
@@ -378,7 +403,7 @@ class OSS(Optimizer, Joinable):
         params = param_list(param_group)
         self._check_new_group(params)
         param_group = {**param_group, "params": params}
-        super().add_param_group(param_group)
+        Optimizer.add_param_group(self, param_group)
         if not hasattr(self, "_partition"):  # Optimizer.__init__ adding the initial groups
             return
         self._check_same_params_on_all_ranks()
@@ -466,10 +491,15 @@ class OSS(Optimizer, Joinable):
 
         Collective. Afterwards ``state_dict()`` on the recipient returns it, until the next step.
         """
+        self._consolidate_on(recipient_rank)
+
+    def _consolidate_on(self, recipient_rank: int) -> None:
+        """The consolidation itself, under a name subclasses leave alone (torch's class calls
+        the public method's argument ``to``)."""
         if not -1 <= recipient_rank < self.world_size:
             raise ValueError(
                 on_rank(
-                    f"recipient_rank {recipient_rank} is outside 0..{self.world_size - 1} (or -1)",
+                    f"{self._recipient_argument} {recipient_rank} is outside 0..{self.world_size - 1} (or -1)",
                     self.rank,
                 )
             )
@@ -492,12 +522,12 @@ class OSS(Optimizer, Joinable):
         user changed after the consolidation are saved as they are. Each call returns new dicts.
         """
         if all_ranks:
-            self.consolidate_state_dict(recipient_rank=-1)
+            self._consolidate_on(-1)
         if self._consolidated is None:
             raise RuntimeError(
                 on_rank(
                     "no consolidated optimizer state on this rank since the last "
-                    f"step; call consolidate_state_dict(recipient_rank={self.rank}) on all ranks "
+                    f"step; call consolidate_state_dict({self._recipient_argument}={self.rank}) on all ranks "
                     "first, or state_dict(all_ranks=True)",
                     self.rank,
                 )

@@ -48,7 +48,10 @@ GRACE_AFTER_FIRST_ERROR = 3.0  # seconds the other ranks get to report their own
 TEARDOWN_SECONDS = 30.0  # for ranks that reported success to leave the barrier and exit
 ABORTED = -signal.SIGABRT  # a process's exitcode when SIGABRT killed it
 TEARDOWN_FAILED = 3  # a rank's exit code when its teardown raised (a peer died in the barrier)
-_PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch.optim", "sharded", "tests._device", "tests._harness"]
+# torch.distributed.optim (torch's ZeroRedundancyOptimizer, which sharded's derives from) scripts its
+# functional optimizers on import: 2-9 s per rank, paid once here instead of at every launch.
+_PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch.optim", "torch.distributed.optim", "sharded",
+            "tests._device", "tests._harness"]
 ABORT_AT_EXIT = "terminate called without an active exception"  # what libstdc++ prints before it
 _SECONDARY_ERRORS = ("Connection reset", "Connection closed", "Broken pipe", "Socket closed")
 _context = None

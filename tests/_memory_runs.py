@@ -31,7 +31,7 @@ CONCURRENT = 1
 
 
 def measure(jobs: list[tuple[int, str]], timeout: float = 600.0) -> list[dict]:
-    """Run each ``(world, case)`` job (case ``model:stage``, e.g. ``mlp:3``) on fresh rank
+    """Run each ``(world, case)`` job (case ``model:stage[:own-storage]``, e.g. ``mlp:3``) on fresh rank
     processes; returns per job ``{"world", "case", "measured": [peak rise per rank]}``.
 
     One "zygote" process per rank slot starts with the allocator setting and imports torch,
@@ -92,7 +92,7 @@ def loss_of(name: str, model, batch):
     return next_token_loss(model, batch)
 
 
-def wrap(stage: int, model, unit_class):
+def wrap(stage: int, model, unit_class, bucket_view: bool = True):
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -105,11 +105,11 @@ def wrap(stage: int, model, unit_class):
             fully_shard(sub)
         fully_shard(model)
         return model, torch.optim.Adam(model.parameters())
-    optimizer = OSS(model.parameters(), torch.optim.Adam)
+    optimizer = OSS(model.parameters(), torch.optim.Adam, parameters_as_bucket_view=bucket_view)
     return (DDP(model) if stage == 1 else ShardedDataParallel(model, optimizer)), optimizer
 
 
-def run_case(name: str, stage: int, rank: int, peak) -> int:
+def run_case(name: str, stage: int, rank: int, peak, bucket_view: bool = True) -> int:
     """The data peak in bytes (``peak``'s rise, examples/peak_memory.py) of two training steps of
     ``name`` at ``stage`` and the third step's backward, model build included.
 
@@ -119,7 +119,7 @@ def run_case(name: str, stage: int, rank: int, peak) -> int:
     from the third backward on are its buckets resident from the start beside the activations.
     A third optimizer step would only repeat the first's peak."""
     model, unit_class = build_model(name)
-    wrapped, optimizer = wrap(stage, model, unit_class)
+    wrapped, optimizer = wrap(stage, model, unit_class, bucket_view)
     for step in range(3):
         optimizer.zero_grad()
         loss_of(name, wrapped, batch_for(name, rank, step)).backward()
@@ -190,8 +190,8 @@ def child(rank: int, world: int, case: str, tmp: Path, index: int) -> int:
     try:
         store = dist.FileStore(str(tmp / f"store{index}"), world)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-        name, stage = case.split(":")
-        rise = run_case(name, int(stage), rank, DataPeak())
+        name, stage, *options = case.split(":")  # e.g. "mlp:1:own-storage": parameters_as_bucket_view=False
+        rise = run_case(name, int(stage), rank, DataPeak(), bucket_view="own-storage" not in options)
         (tmp / f"job{index}-rank{rank}.json").write_text(json.dumps(rise))
         dist.barrier()
         dist.destroy_process_group()

@@ -167,3 +167,26 @@ def _build_imbalanced_oss(rank, world, caplog_level):
 def test_oss_warns_once_when_a_rank_holds_much_more_than_an_even_share():
     messages = run_on_ranks(_build_imbalanced_oss, 2, logging.WARNING)[0]
     assert len(messages) == 1 and "1.98x" in messages[0] and "SHARD_GRAD_OP" in messages[0]
+
+
+def test_parameters_in_their_own_storage_cost_a_packed_copy_of_shared_buckets_after_the_step():
+    """``parameters_as_bucket_view=False``: every broadcast bucket of several parameters travels as
+    a packed copy (the owner's message, the others' receive buffer), all in flight at once after
+    the step; a parameter alone in its bucket (here the 4096 x 4096 weight, more than a bucket's
+    2**23 elements) is sent from its own storage; nothing is broadcast at world 1."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4096, 4096, bias=False), *[nn.Linear(256, 256) for _ in range(6)])
+    small = sum(p.numel() * 4 for p in model[1:].parameters())
+    for stage in (1, 2):
+        views = estimate_memory(model, world_size=2, stage=stage, optimizer=torch.optim.SGD)
+        own = estimate_memory(model, world_size=2, stage=stage, optimizer=torch.optim.SGD, parameters_as_bucket_view=False)
+        assert "broadcast" not in views.phases
+        assert own.phases["broadcast"] == own.phases["optimizer step"] - own.optimizer_step + small
+        assert own.peak_bytes == max(own.phases.values()) >= views.peak_bytes
+        if stage == 1:  # plain SGD's step holds nothing of its own: the packed copy sets ZeRO-1's peak
+            assert own.peak_bytes == own.phases["broadcast"] == views.peak_bytes - views.optimizer_step + small
+        alone = estimate_memory(model, world_size=1, stage=stage, parameters_as_bucket_view=False)
+        assert alone == estimate_memory(model, world_size=1, stage=stage)
+    for stage in (0, 3):
+        with pytest.raises(ValueError, match="parameters_as_bucket_view is OSS's option"):
+            estimate_memory(model, world_size=2, stage=stage, parameters_as_bucket_view=False)

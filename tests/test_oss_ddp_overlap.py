@@ -57,7 +57,11 @@ def _overlapped(hook_name, optimizer, driver, groups=None):
     model = gpt()
     ddp = _ddp(model)
     optim_class, hyper = OPTIMIZERS[optimizer]
-    zero = OSS(groups(model) if groups else model.parameters(), optim_class, overlap_with_ddp=True, **hyper)
+    params = groups(model) if groups else model.parameters()
+    if driver == "interleaved":  # torch's class on the same engine (parameters keep their storage)
+        zero = sharded.ZeroRedundancyOptimizer(params, optim_class, overlap_with_ddp=True, **hyper)
+    else:
+        zero = OSS(params, optim_class, overlap_with_ddp=True, **hyper)
     ddp.register_comm_hook(dist.group.WORLD, DRIVERS[driver](HOOKS[hook_name], ddp, zero))
     return model, ddp, zero
 

@@ -31,14 +31,15 @@ __all__ = [
 _MAX_DIMS = 16
 
 
-def check_optimizer_class(optim: Any) -> None:
-    """Raise unless ``optim`` is a plain first-order torch optimizer class that OSS can shard."""
+def check_optimizer_class(optim: Any, argument: str = "optim") -> None:
+    """Raise unless ``optim`` is a plain first-order torch optimizer class that OSS can shard;
+    ``argument`` is its name in the caller's signature, for the message."""
     if not (isinstance(optim, type) and issubclass(optim, torch.optim.Optimizer)):
         raise TypeError(
-            f"optim must be a torch.optim.Optimizer subclass such as torch.optim.AdamW, got {optim!r}"
+            f"{argument} must be a torch.optim.Optimizer subclass such as torch.optim.AdamW, got {optim!r}"
         )
     if getattr(optim, "partition_parameters", None) is not None:
-        raise TypeError("optim must be a plain optimizer class, not a sharded one")
+        raise TypeError(f"{argument} must be a plain optimizer class, not a sharded one")
     if issubclass(optim, torch.optim.LBFGS):
         raise TypeError(
             "LBFGS re-evaluates the closure a data-dependent number of times per step, which "

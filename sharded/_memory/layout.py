@@ -34,7 +34,9 @@ class Layout:
     ``backward_bytes``: activations, gradients and communication buffers held at backward's
     worst moment;
     ``held_in_step``: communication buffers still held during the optimizer step (DDP's
-    buckets); ``build_bytes``: the most held while the model is built and wrapped.
+    buckets); ``build_bytes``: the most held while the model is built and wrapped;
+    ``broadcast_bytes``: the owners' broadcast messages alive after the step (ZeRO-1/2 with
+    ``parameters_as_bucket_view=False``: a packed copy of every bucket of several parameters).
     """
 
     parameters: int
@@ -48,3 +50,4 @@ class Layout:
     bytes_sent: int
     collectives: int
     largest_share: float
+    broadcast_bytes: int = 0

@@ -29,7 +29,7 @@ __all__ = ["replicated_layout"]
 
 def replicated_layout(
     model: nn.Module, world: int, stage: int, profile: Optional[ActivationProfile], declared_activations: int,
-    device: torch.device, param_cost: ParamCost = bytes_cost,
+    device: torch.device, param_cost: ParamCost = bytes_cost, parameters_as_bucket_view: bool = True,
 ) -> Layout:
     """The busiest rank's layout at ``stage`` 0 (DDP), 1 (DDP + ``OSS``) or 2 (``ShardedDataParallel``).
 
@@ -37,6 +37,8 @@ def replicated_layout(
     ``declared_activations`` added to everything the stage holds at the end of backward.
     ``param_cost``: what ``OSS`` balances for the optimizer (its ``param_cost``), so that the
     partition walked is the one it builds; the busiest rank is the one with the most bytes.
+    ``parameters_as_bucket_view``: ``OSS``'s option; ``False`` packs the broadcast buckets of
+    several parameters into messages every step (``broadcast_bytes``).
     """
     all_params = list(model.parameters())
     params = [p for p in all_params if p.requires_grad]
@@ -46,7 +48,7 @@ def replicated_layout(
     sent = int(2 * ring * grad_bytes)
     ready = _ready_order(all_params, params, profile)
     if stage == 0:
-        shapes, calls, share = [(p.shape, p.dtype) for p in params], 0, 1.0
+        shapes, calls, share, packed = [(p.shape, p.dtype) for p in params], 0, 1.0, 0
     else:
         partition = Partition.build([list(params)], world, param_costs([params], param_cost, group_rank=0))
         loads = partition.trainable_bytes_per_rank()
@@ -54,11 +56,12 @@ def replicated_layout(
         owned = [params[i] for i in partition.owned_indices(busiest, trainable_only=True)]
         shapes = [(p.shape, p.dtype) for p in owned]
         calls, share = _broadcast_count(partition), loads[busiest] / max(1, sum(loads))
+        packed = 0 if parameters_as_bucket_view or world == 1 else _packed_broadcast_bytes(partition)
     if stage < 2:  # DDP's all-reduce (then, for ZeRO-1, the owners' broadcasts)
         calls = (_ddp_bucket_count(params) + calls) if world > 1 else 0
         backward = grad_bytes + _keep_all_walk(ready, profile, declared_activations)
         return Layout(param_bytes, grad_bytes, grad_bytes, backward, grad_bytes, 2 * param_bytes, 0,
-                      shapes, sent, calls, share)
+                      shapes, sent, calls, share, packed)
     buckets = plan_reduce_buckets(ready, partition.owner_of(), DEFAULT_BUCKET_NUMEL, False)
     owned_grads = sum(_nbytes(p) for p in owned)
     if profile is None:
@@ -68,7 +71,7 @@ def replicated_layout(
         backward, communication = _zero2_walk(ready, buckets, busiest, profile, lazy_pages=device.type == "cpu")
     calls = (len(buckets) + calls) if world > 1 else 0
     return Layout(param_bytes, owned_grads, communication, backward, 0, 2 * param_bytes, 0,
-                  shapes, sent, calls, share)
+                  shapes, sent, calls, share, packed)
 
 
 def _ready_order(
@@ -146,6 +149,19 @@ def _zero2_walk(
 def _ddp_bucket_count(params: Sequence[torch.Tensor]) -> int:
     numel = DDP_BUCKET_BYTES // max(1, params[0].element_size())
     return len(plan_buckets(list(reversed(params)), numel))
+
+
+def _packed_broadcast_bytes(partition: Partition) -> int:
+    """What ``OSS(parameters_as_bucket_view=False)`` holds while its broadcasts are in flight: every
+    bucket of several parameters travels as a packed copy (its owner's packing, the others'
+    receive buffer), all started before the first is waited for; a parameter alone in its bucket
+    is sent from its own storage."""
+    by_owner = [
+        [partition.params[i] for i in partition.owned_indices(rank, trainable_only=True)]
+        for rank in range(partition.world_size)
+    ]
+    buckets = plan_broadcasts(by_owner, DEFAULT_BUCKET_NUMEL)
+    return sum(_nbytes(t) for b in buckets if len(b.tensors) > 1 for t in b.tensors)
 
 
 def _broadcast_count(partition: Partition) -> int:

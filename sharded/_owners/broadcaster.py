@@ -5,8 +5,11 @@ Only a parameter's owner steps it, so only the owner holds its new value. A
 
 * the **plan**: the owners' trainable parameters packed into flat buckets (once per partition),
   in the order a forward reads them;
-* **residency**: those parameters are made views of their bucket, so a bucket is sent and
-  received as it is, with no copy on either side;
+* **residency** (``resident=True``, OSS's default): those parameters are made views of their
+  bucket, so a bucket is sent and received as it is, with no copy on either side; otherwise
+  (``parameters_as_bucket_view=False``) each parameter keeps its own storage, and a bucket of
+  several is packed into a message by its owner and unpacked by the others, a transient copy
+  of the bucket's bytes on every rank while the broadcasts are in flight;
 * **frozen-parameter agreement**: a frozen parameter moves only when its owner stepped it (it had
   a gradient), which only the owner knows, so the ranks agree with one small all-reduce per
   step, which only models with frozen parameters pay;
@@ -48,12 +51,16 @@ class ParamBroadcaster:
             ones are sent alone, uncopied.
         wire_fp16: send floating-point parameters wider than fp16 as fp16 (receivers see the
             values rounded; owners keep the exact ones).
+        resident: make each bucket of several parameters their storage (their ``.data`` views
+            of it), so nothing is copied to send or receive it; ``False`` leaves every
+            parameter's storage where it is and packs and unpacks the bucket at each step.
     """
 
-    def __init__(self, group: comm.ProcessGroup, bucket_numel: int, wire_fp16: bool) -> None:
+    def __init__(self, group: comm.ProcessGroup, bucket_numel: int, wire_fp16: bool, resident: bool = True) -> None:
         self.group = group
         self.bucket_numel = bucket_numel
         self.wire_fp16 = wire_fp16
+        self.resident = resident
         # Whether start() leaves the broadcasts in flight, for wait_for() to complete on use.
         self.defer_waits = False
         self._rank = comm.group_rank(group)
@@ -68,7 +75,8 @@ class ParamBroadcaster:
         return self._buckets
 
     def plan(self, partition: Partition) -> None:
-        """Bucket ``partition``'s trainable parameters by owner, each bucket their storage.
+        """Bucket ``partition``'s trainable parameters by owner, each bucket their storage
+        when ``resident``.
 
         Waits for what is in flight first: the old buckets' values must land before they are
         replaced. Parameters no new bucket holds get storage of their own again, so the old
@@ -80,9 +88,10 @@ class ParamBroadcaster:
             for rank in range(partition.world_size)
         ]
         old = self._buckets
-        resident = make_resident(plan_broadcasts(trainable_by_owner, self.bucket_numel))
-        self._buckets = _in_order_of_use(resident, partition.params)
-        release_residents(old, keep=self._buckets)
+        buckets = plan_broadcasts(trainable_by_owner, self.bucket_numel)
+        self._buckets = _in_order_of_use(make_resident(buckets) if self.resident else buckets, partition.params)
+        # a parameter no new flat buffer holds (a bucket of its own, or no residency) leaves the old
+        release_residents(old, keep=[b for b in self._buckets if b.flat is not None])
         self._bucket_of = {id(t): i for i, bucket in enumerate(self._buckets) for t in bucket.tensors}
         self._partition = partition
 
