@@ -28,7 +28,9 @@ from .oss import OSS
 __all__ = ["ZeroRedundancyOptimizer"]
 
 
-class ZeroRedundancyOptimizer(OSS, _TorchZeroRedundancyOptimizer):
+# OSS._overlap_with_ddp is a property that refuses torch's DDP hooks (they read it first); torch's
+# class declares it as a plain attribute, hence the override mypy flags.
+class ZeroRedundancyOptimizer(OSS, _TorchZeroRedundancyOptimizer):  # type: ignore[override]
     """``torch.distributed.optim.ZeroRedundancyOptimizer``'s interface, with ``OSS`` behind it.
 
     Swap ``from torch.distributed.optim import ZeroRedundancyOptimizer`` for ``from sharded import
