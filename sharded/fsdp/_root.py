@@ -218,8 +218,7 @@ class Root:
         fills_grads = self._fills_grads()
         start = unit.post_backward(fills_grads, syncs)
         if start is None:
-            if fills_grads:  # under torch.autograd.grad nothing was taken, so nothing is kept
-                self._kept.setdefault(unit)
+            self._kept.setdefault(unit)
             return
         self._kept.pop(unit, None)
         self._add_reduction(start)
