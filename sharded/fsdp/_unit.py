@@ -14,6 +14,7 @@ its model is data: the :class:`~._settings.StepContext`.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from typing import Any, Callable, Optional, Sequence
 
@@ -28,6 +29,7 @@ from ._collectives import ProfilerLabels
 from ._extension import ExtensionGather
 from ._flat_buffers import BufferPlacement, UnitStorage
 from ._gather import GatherRoute, ParamGather
+from ._grad_dtypes import grads_follow_grad_dtype, promoted
 from ._hooks import BackwardTracker, cast_floats
 from ._owned import OwnedGather
 from ._param import ShardedParam
@@ -123,10 +125,25 @@ class Unit:
         """The module ``fully_shard`` was given (of a list, the first)."""
         return self.modules[0]
 
-    @property
-    def reduce_dtype(self) -> torch.dtype:
+    def accumulation_dtype(self, sp: ShardedParam) -> Optional[torch.dtype]:
+        """The dtype ``sp``'s gradient is accumulated in while sync is off and reduced in
+        (``None``: its own), as the torch sharded runs with decides (:mod:`._grad_dtypes`):
+        ``reduce_dtype`` if set; else from torch 2.15 on the parameter's ``grad_dtype``, before
+        it ``param_dtype`` (or the masters' dtype)."""
         mp = self.settings.mp_policy
-        return mp.reduce_dtype or mp.param_dtype or self._master_dtype
+        if mp.reduce_dtype is not None:
+            return mp.reduce_dtype
+        if grads_follow_grad_dtype():
+            return sp.grad_dtype
+        return mp.param_dtype or self._master_dtype
+
+    def reduce_dtype_for(self, params: Sequence[ShardedParam], grads: Sequence[Optional[torch.Tensor]]) -> torch.dtype:
+        """The dtype one reduction of ``params``' ``grads`` runs in: their accumulation dtypes
+        promoted (fp32 for bf16 and fp32), a gradient's own dtype standing for a parameter whose
+        ``grad_dtype`` is ``None``. A parameter without a gradient on this rank still counts
+        unless its dtype is ``None``, so that every rank reduces in the same dtype."""
+        dtypes = [self.accumulation_dtype(sp) or (g.dtype if g is not None else None) for sp, g in zip(params, grads)]
+        return promoted([d for d in dtypes if d is not None], self._master_dtype)
 
     @property
     def _master_dtype(self) -> torch.dtype:
@@ -208,6 +225,7 @@ class Unit:
         self.streams.compute_waits(ready)
         for sp in self.params:
             sp.show_unsharded()
+            sp.accept_grads_in(self.accumulation_dtype(sp))
         self.shard_state = ShardState.UNSHARDED
 
     def _secondary_shard_to_keep(self) -> Optional[SecondaryShardGroup]:
@@ -317,15 +335,33 @@ class Unit:
         self.training_state = TrainingState.POST_BACKWARD
         trainable = [sp for sp in self.params if sp.requires_grad]
         sending = bool(trainable) and self.backward.syncs
-        grads = [sp.take_unsharded_grad(self.reduce_dtype) for sp in trainable] if sending else []
+        if sending:
+            self._check_unused_can_land(trainable)
+        grads = [sp.take_unsharded_grad(self.accumulation_dtype(sp)) for sp in trainable] if sending else []
         if not sending:
             for sp in trainable:
-                sp.keep_unsynced(self.reduce_dtype)
+                sp.keep_unsynced(self.accumulation_dtype(sp))
         if self.settings.reshard_after_backward:  # first: the gathered parameters go before the send buffer comes
             self.reshard()
         if not sending:
             return None
-        return lambda: self.reducer.start(trainable, grads, self.reduce_dtype, self.labels)
+        dtype = self.reduce_dtype_for(trainable, grads)
+        return lambda: self.reducer.start(trainable, grads, dtype, self.labels)
+
+    def _check_unused_can_land(self, trainable: list[ShardedParam]) -> None:
+        """``set_reduce_scatter_unused_params(True)`` sends zeros for a parameter without a
+        gradient, which needs a dtype every rank agrees on: a parameter whose ``grad_dtype`` is
+        ``None`` has none unless ``reduce_dtype`` is set. Checked on every rank alike, whether
+        or not the gradient came, as torch checks it, so no rank waits for another."""
+        if not self.settings.reduce_scatter_unused_params:
+            return
+        for sp in trainable:
+            if self.accumulation_dtype(sp) is None:
+                raise ValueError(on_rank(
+                    f"fully_shard({self.module_name}): parameter {sp.fqn} has grad_dtype=None, and its gradient, when "
+                    "unused, would be sent as zeros of no agreed dtype (set_reduce_scatter_unused_params(True)); "
+                    "set MixedPrecisionPolicy(reduce_dtype=...) to the dtype its gradients have, or set its grad_dtype"
+                ))
 
     def reset(self) -> None:
         """Back to rest after a failed forward or backward: gathered parameters freed, the
@@ -373,19 +409,35 @@ class Unit:
 
 def _gathers_for(params: list[ShardedParam], mesh_info: MeshInfo, settings: UnitSettings) -> list[ParamGather]:
     """The plain parameters' flat buffers, then the all-gather extension's, then the owner-placed
-    parameters' broadcasts, each if any."""
-    plain = [sp for sp in params if not sp.gather_extension and sp.owner is None]
-    extended = [sp for sp in params if sp.gather_extension]
-    owned = [sp for sp in params if sp.owner is not None]
-    placement = BufferPlacement(mesh_info.device, settings.offloads, settings.pins_memory, settings.mp_policy.param_dtype)
+    parameters' broadcasts, each if any; each kind once per dtype the parameters compute in
+    (``param_dtype_override_fn`` may keep some in their own dtype), as a flat buffer holds one."""
+    mp = settings.mp_policy
     gathers: list[ParamGather] = []
-    if plain:
-        gathers.append(UnitStorage(plain, mesh_info.shard_world, placement))
-    if extended:
-        gathers.append(ExtensionGather(extended, mesh_info.mesh, settings.mp_policy, mesh_info.device))
-    if owned:
-        gathers.append(OwnedGather(owned, mesh_info.shard_rank, mesh_info.shard_world, placement))
-    return gathers
+    for dtype, group in _by_compute_dtype(params).items():
+        plain = [sp for sp in group if not sp.gather_extension and sp.owner is None]
+        extended = [sp for sp in group if sp.gather_extension]
+        owned = [sp for sp in group if sp.owner is not None]
+        placement = BufferPlacement(mesh_info.device, settings.offloads, settings.pins_memory, dtype)
+        if plain:
+            gathers.append(UnitStorage(plain, mesh_info.shard_world, placement))
+        if extended:
+            policy = mp if dtype == mp.param_dtype else dataclasses.replace(mp, param_dtype=dtype)
+            gathers.append(ExtensionGather(extended, mesh_info.mesh, policy, mesh_info.device))
+        if owned:
+            gathers.append(OwnedGather(owned, mesh_info.shard_rank, mesh_info.shard_world, placement))
+    return sorted(gathers, key=_gather_kind_order)
+
+
+def _by_compute_dtype(params: list[ShardedParam]) -> dict[Optional[torch.dtype], list[ShardedParam]]:
+    groups: dict[Optional[torch.dtype], list[ShardedParam]] = {}
+    for sp in params:
+        groups.setdefault(sp.compute_dtype, []).append(sp)
+    return groups
+
+
+def _gather_kind_order(gather: ParamGather) -> int:
+    """Plain buffers first (the unit's master dtype is theirs), then the extension's, then owned."""
+    return 0 if isinstance(gather, UnitStorage) else 1 if isinstance(gather, ExtensionGather) else 2
 
 
 def _streams_for(device: torch.device) -> CommStreams:

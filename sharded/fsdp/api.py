@@ -29,6 +29,7 @@ from .._common.errors import on_rank
 from ._arguments import as_our_policies, resolve_reshard_after_forward, shard_placements
 from ._collect import check_not_sharded, collect_unit_params
 from ._extension import has_gather_extension
+from ._grad_dtypes import carry_grad_dtype
 from ._fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from ._hooks import install_forward_hooks, install_state_dict_hooks
 from ._param import ShardedParam, ShardGeometry
@@ -146,11 +147,13 @@ def fully_shard(
     ]
     for sp, (name, param, _) in zip(params, taken):
         sp.gather_extension = has_gather_extension(param, name, sp.geometry.dim)
+        sp.compute_dtype = _compute_dtype(mp_policy, param, name)
     _check_tensor_parallel_params(params)
     unit = Unit(modules, params, info, _unit_settings(info, params, mp_policy, offload_policy, reshard_after_forward))
     state = UnitState(unit)
     unit.shard_from_full([local_tensor_of(param) for _, param, _ in taken])
     for sp, (_, original, _) in zip(params, taken):
+        carry_grad_dtype(original, sp.sharded)
         sp.show_sharded()
         register_sharded(sp.sharded, unit)
         retire(original, unit, sp)
@@ -164,6 +167,14 @@ def fully_shard(
 
 
 fully_shard.state = state_of  # type: ignore[attr-defined]  # torch's fully_shard has it too
+
+
+def _compute_dtype(mp_policy: MixedPrecisionPolicy, param: nn.Parameter, name: str) -> Optional[torch.dtype]:
+    """The dtype ``param`` is gathered in (``None``: its own)."""
+    try:
+        return mp_policy.compute_dtype_of(param, name)
+    except ValueError as bad:
+        raise ValueError(on_rank(f"fully_shard: {bad}")) from None
 
 
 def _spmd_mesh(process_group: Any, mesh: Optional[DeviceMesh], dp_mesh_dims: Any, reshard_after_forward: Any) -> MeshInfo:

@@ -1,0 +1,65 @@
+"""Which dtype a unit's gradients accumulate and reduce in, as the torch sharded runs with does it.
+
+torch 2.15 changed ``fully_shard``'s default: with ``reduce_dtype=None`` each gradient follows
+its parameter's ``grad_dtype`` (an autograd attribute of leaf tensors, new in 2.15: unset, the
+parameter's own dtype; ``None``, whatever dtype the gradient has), so fp32 masters computing in
+bf16 reduce in fp32, and a unit mixing dtypes reduces in their promoted dtype. Before 2.15 the
+default was ``param_dtype``. sharded follows the torch it is installed with, found by probing
+torch (never its version string), so that its numbers equal that torch's ``fully_shard``'s.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Iterable, Optional
+
+import torch
+
+__all__ = ["grads_follow_grad_dtype", "grad_dtype_of", "carry_grad_dtype", "promoted", "wider"]
+
+
+@functools.lru_cache(maxsize=None)
+def grads_follow_grad_dtype() -> bool:
+    """Whether the installed torch's ``fully_shard`` reduces in each parameter's ``grad_dtype``
+    when ``reduce_dtype`` is ``None`` (torch 2.15 on): tensors carry ``grad_dtype`` and torch's
+    FSDP parameter derives the unsharded gradient's dtype from it."""
+    if not hasattr(torch.Tensor, "grad_dtype"):
+        return False
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+    return hasattr(_fsdp_param.FSDPParam, "unsharded_grad_dtype")
+
+
+def grad_dtype_of(param: torch.Tensor) -> Optional[torch.dtype]:
+    """The dtype ``param``'s gradient is kept in: its ``grad_dtype`` where torch's ``fully_shard``
+    follows it (its own dtype unless set; ``None``: any), else its own dtype."""
+    if grads_follow_grad_dtype():
+        return param.grad_dtype  # type: ignore[attr-defined,no-any-return]
+    return param.dtype
+
+
+def _has_override(param: torch.Tensor) -> bool:
+    """Whether ``grad_dtype`` was set on ``param`` (an unset one follows its dtype)."""
+    if hasattr(torch.Tensor, "_has_grad_dtype_override"):
+        return bool(param._has_grad_dtype_override)  # type: ignore[attr-defined]
+    return hasattr(torch.Tensor, "grad_dtype") and param.grad_dtype != param.dtype  # type: ignore[attr-defined]
+
+
+def carry_grad_dtype(source: torch.Tensor, target: torch.Tensor) -> None:
+    """Give ``target`` (a parameter built to replace ``source``: its shard, or the shard after a
+    dtype change or an assignment) the ``grad_dtype`` set on ``source``, unless ``target`` has its
+    own; as torch's FSDP2 keeps it through ``fully_shard``, ``.to()`` and
+    ``load_state_dict(assign=True)``."""
+    if _has_override(source) and not _has_override(target):
+        target.grad_dtype = source.grad_dtype  # type: ignore[attr-defined]
+
+
+def promoted(dtypes: Iterable[torch.dtype], default: torch.dtype) -> torch.dtype:
+    """The dtype that holds all of ``dtypes`` (``default`` if there are none)."""
+    found = set(dtypes)
+    return functools.reduce(torch.promote_types, found) if found else default
+
+
+def wider(dtype: Optional[torch.dtype], than: torch.dtype) -> bool:
+    """Whether floating ``dtype`` holds more bits than floating ``than`` (fp32 than bf16)."""
+    return dtype is not None and dtype.is_floating_point and than.is_floating_point and dtype.itemsize > than.itemsize
