@@ -198,9 +198,71 @@ def _override_refusals() -> None:
         MixedPrecisionPolicy(torch.bfloat16, None, None, True, keep_vectors)  # keyword-only, as torch's
 
 
+def with_grad_dtypes(model: NormNet) -> NormNet:
+    """Before ``fully_shard``: one matrix's gradients kept in bf16, one norm's in whatever dtype
+    they come (``None``)."""
+    model.blocks[0].up.weight.grad_dtype = torch.bfloat16
+    model.blocks[1].norm.weight.grad_dtype = None
+    return model
+
+
+def grad_dtypes(model: nn.Module) -> list:
+    return [p.grad_dtype for p in model.parameters()]
+
+
+def one_step_grads(model: nn.Module, rank: int) -> list[torch.Tensor]:
+    x, y = batch(batch_rank(rank, dist.get_world_size()), 0)
+    (model(x) - y).pow(2).mean().backward()
+    grads = [p.grad.full_tensor() for p in model.parameters()]
+    model.zero_grad()
+    return grads
+
+
+def _grad_dtype_cases(rank, world):
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from sharded import fully_shard
+    from sharded.fsdp import MixedPrecisionPolicy
+
+    bf16 = torch.bfloat16
+    models = {}
+    for name, shard_fn, policy in (("torch's", torch_fully_shard, TorchMP(param_dtype=bf16)), ("ours", fully_shard, MixedPrecisionPolicy(param_dtype=bf16))):
+        model = with_grad_dtypes(NormNet())
+        for block in model.blocks:
+            shard_fn(block, mp_policy=policy)
+        models[name] = shard_fn(model, mp_policy=policy)
+    theirs, ours = models["torch's"], models["ours"]
+    assert grad_dtypes(ours) == grad_dtypes(theirs), "grad_dtype after fully_shard"
+    assert_same(([], one_step_grads(ours, rank), []), ([], one_step_grads(theirs, rank), []), "gradients landing in grad_dtype")
+    for model in (ours, theirs):
+        model.to(torch.float64)
+    assert grad_dtypes(ours) == grad_dtypes(theirs), "grad_dtype after .to(torch.float64)"
+    for model in (ours, theirs):
+        model.to(torch.float32)
+        model.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()}, assign=True)
+    assert grad_dtypes(ours) == grad_dtypes(theirs), "grad_dtype after load_state_dict(assign=True)"
+    assert_same(([], one_step_grads(ours, rank), []), ([], one_step_grads(theirs, rank), []), "gradients after .to() and assign")
+    # an unused parameter's zeros need a dtype every rank agrees on
+    model = with_grad_dtypes(NormNet())
+    fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=bf16))
+    model.set_reduce_scatter_unused_params(True)
+    from sharded.fsdp._grad_dtypes import grads_follow_grad_dtype
+
+    x, y = batch(0, 0)
+    loss = (model(x) - y).pow(2).mean()
+    if grads_follow_grad_dtype():
+        with pytest.raises(ValueError, match=r"rank \d.*blocks.1.norm.weight has grad_dtype=None"):
+            loss.backward()
+        model.reset_iter_state()
+    else:
+        loss.backward()  # before 2.15 grad_dtype plays no part
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_reduce_dtype_and_no_sync_accumulation_match_torch(world_size):
     run_on_ranks(_reduce_dtype_cases, world_size)
+    run_on_ranks(_grad_dtype_cases, world_size)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])

@@ -11,11 +11,15 @@ torch (never its version string), so that its numbers equal that torch's ``fully
 from __future__ import annotations
 
 import functools
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 
-__all__ = ["grads_follow_grad_dtype", "grad_dtype_of", "carry_grad_dtype", "promoted", "wider"]
+__all__ = [
+    "grads_follow_grad_dtype", "grad_dtype_of", "saved_grad_dtype", "restore_grad_dtype", "carry_grad_dtype", "promoted", "wider",
+]
+
+_UNSET = object()  # no grad_dtype set
 
 
 @functools.lru_cache(maxsize=None)
@@ -45,13 +49,26 @@ def _has_override(param: torch.Tensor) -> bool:
     return hasattr(torch.Tensor, "grad_dtype") and param.grad_dtype != param.dtype  # type: ignore[attr-defined]
 
 
+def saved_grad_dtype(param: Optional[torch.Tensor]) -> Any:
+    """The ``grad_dtype`` set on ``param``, to give to whatever replaces it (:func:`restore_grad_dtype`);
+    nothing where it is unset, or where torch's ``fully_shard`` drops it (before 2.15)."""
+    if param is None or not grads_follow_grad_dtype() or not _has_override(param):
+        return _UNSET
+    return param.grad_dtype  # type: ignore[attr-defined]
+
+
+def restore_grad_dtype(param: Optional[torch.Tensor], saved: Any) -> None:
+    """Give ``param`` the ``grad_dtype`` :func:`saved_grad_dtype` saved, unless it has its own."""
+    if param is not None and saved is not _UNSET and not _has_override(param):
+        param.grad_dtype = saved  # type: ignore[attr-defined]
+
+
 def carry_grad_dtype(source: torch.Tensor, target: torch.Tensor) -> None:
     """Give ``target`` (a parameter built to replace ``source``: its shard, or the shard after a
     dtype change or an assignment) the ``grad_dtype`` set on ``source``, unless ``target`` has its
     own; as torch's FSDP2 keeps it through ``fully_shard``, ``.to()`` and
-    ``load_state_dict(assign=True)``."""
-    if _has_override(source) and not _has_override(target):
-        target.grad_dtype = source.grad_dtype  # type: ignore[attr-defined]
+    ``load_state_dict(assign=True)`` (before 2.15, where torch's drops it, so does sharded)."""
+    restore_grad_dtype(target, saved_grad_dtype(source))
 
 
 def promoted(dtypes: Iterable[torch.dtype], default: torch.dtype) -> torch.dtype:
