@@ -12,7 +12,8 @@ A small net of blocks with RMS-style norms (1-D weights), a bf16 compute dtype, 
 * ``set_requires_gradient_sync(False)`` over two microbatches: the gradients accumulate in that
   same dtype (bf16 before 2.15, fp32 from it), compared by the sharded gradients after the sync.
 * ``Tensor.grad_dtype`` (2.15): kept through ``fully_shard``, ``.to()`` and
-  ``load_state_dict(assign=True)`` as torch keeps it, and the gradients land in it; a parameter
+  ``load_state_dict(assign=True)`` as torch keeps it, and the gradients land in it;
+  ``reset_iter_state()`` drops landed gradients as torch's does (2.15: it does); a parameter
   with ``grad_dtype=None`` and ``set_reduce_scatter_unused_params(True)`` without ``reduce_dtype``
   raises on every rank.
 """
@@ -243,6 +244,12 @@ def _grad_dtype_cases(rank, world):
         model.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()}, assign=True)
     assert grad_dtypes(ours) == grad_dtypes(theirs), "grad_dtype after load_state_dict(assign=True)"
     assert_same(([], one_step_grads(ours, rank), []), ([], one_step_grads(theirs, rank), []), "gradients after .to() and assign")
+    # reset_iter_state drops the landed gradients where torch's does (2.15), keeps them before
+    for model in (ours, theirs):
+        x, y = batch(rank, 1)
+        (model(x) - y).pow(2).mean().backward()
+        model.reset_iter_state()
+    assert [p.grad is None for p in ours.parameters()] == [p.grad is None for p in theirs.parameters()], "grads after reset_iter_state"
     # an unused parameter's zeros need a dtype every rank agrees on
     model = with_grad_dtypes(NormNet())
     fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=bf16))
@@ -268,3 +275,49 @@ def test_reduce_dtype_and_no_sync_accumulation_match_torch(world_size):
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_param_dtype_override_keeps_norms_in_fp32_like_torch(world_size):
     run_on_ranks(_override_cases, world_size)
+
+
+def test_memory_estimate_counts_the_reduce_dtype_fully_shard_uses():
+    """The reduce-scatter sends fp32 where torch 2.15's default reduces fp32 masters' gradients
+    in fp32, half that with ``reduce_dtype=torch.bfloat16`` or before 2.15."""
+    from sharded import estimate_memory
+    from sharded.fsdp import MixedPrecisionPolicy
+    from sharded.fsdp._grad_dtypes import grads_follow_grad_dtype
+
+    def sent(policy) -> int:
+        model = NormNet(dim=64, hidden=256)
+        return estimate_memory(model, world_size=2, stage=3, mixed_precision=policy, wrap={Block}, activation_bytes=0).bytes_sent
+
+    bf16 = torch.bfloat16
+    default, opt_out = sent(MixedPrecisionPolicy(param_dtype=bf16)), sent(MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16))
+    fp32 = sent(MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32))
+    assert opt_out < fp32
+    assert default == (fp32 if grads_follow_grad_dtype() else opt_out)
+
+
+def test_torchs_policy_fields_act_or_raise():
+    """Every field of torch's policy objects reaches ours; one a later torch adds that sharded
+    does not know raises naming it, unless it holds its default."""
+    from torch.distributed.fsdp import CPUOffloadPolicy as TorchOffload
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
+
+    from sharded.fsdp._arguments import as_our_policies
+
+    @dataclasses.dataclass(frozen=True)
+    class FuturePolicy(TorchMP):
+        future_knob: int = 0
+
+    @dataclasses.dataclass(frozen=TorchOffload.__dataclass_params__.frozen)  # type: ignore[attr-defined]
+    class FutureOffload(TorchOffload):
+        future_knob: int = 0
+
+    taken = {f.name: getattr(TorchMP(), f.name) for f in dataclasses.fields(TorchMP)}
+    taken.update(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float16, cast_forward_inputs=False)
+    if "param_dtype_override_fn" in taken:
+        taken["param_dtype_override_fn"] = keep_vectors
+    mp, offload = as_our_policies(FuturePolicy(**taken), FutureOffload(pin_memory=False))
+    assert {name: getattr(mp, name) for name in taken} == taken and offload.pin_memory is False
+    with pytest.raises(NotImplementedError, match=r"FuturePolicy\(future_knob=1\)"):
+        as_our_policies(FuturePolicy(future_knob=1), None)
+    with pytest.raises(NotImplementedError, match=r"FutureOffload\(future_knob=2\)"):
+        as_our_policies(TorchMP(), FutureOffload(future_knob=2))

@@ -11,12 +11,13 @@ torch (never its version string), so that its numbers equal that torch's ``fully
 from __future__ import annotations
 
 import functools
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
 __all__ = [
-    "grads_follow_grad_dtype", "grad_dtype_of", "saved_grad_dtype", "restore_grad_dtype", "carry_grad_dtype", "promoted", "wider",
+    "grads_follow_grad_dtype", "grad_dtype_of", "saved_grad_dtype", "restore_grad_dtype", "carry_grad_dtype",
+    "accumulation_dtype", "reduce_dtype_for", "promoted", "wider",
 ]
 
 _UNSET = object()  # no grad_dtype set
@@ -69,6 +70,27 @@ def carry_grad_dtype(source: torch.Tensor, target: torch.Tensor) -> None:
     own; as torch's FSDP2 keeps it through ``fully_shard``, ``.to()`` and
     ``load_state_dict(assign=True)`` (before 2.15, where torch's drops it, so does sharded)."""
     restore_grad_dtype(target, saved_grad_dtype(source))
+
+
+def accumulation_dtype(mp_policy: Any, master_dtype: torch.dtype, grad_dtype: Optional[torch.dtype]) -> Optional[torch.dtype]:
+    """The dtype a parameter's gradient is accumulated in while sync is off and reduced in
+    (``None``: its own), for a parameter whose ``grad_dtype`` is ``grad_dtype``, in a unit of
+    ``master_dtype`` shards under ``mp_policy``: ``reduce_dtype`` if set; else from torch 2.15
+    on ``grad_dtype``; before it ``param_dtype`` (or the masters' dtype)."""
+    if mp_policy.reduce_dtype is not None:
+        return mp_policy.reduce_dtype  # type: ignore[no-any-return]
+    if grads_follow_grad_dtype():
+        return grad_dtype
+    return mp_policy.param_dtype or master_dtype  # type: ignore[no-any-return]
+
+
+def reduce_dtype_for(accumulation: Sequence[Optional[torch.dtype]], grads: Sequence[Optional[torch.Tensor]], default: torch.dtype) -> torch.dtype:
+    """The dtype one reduction runs in: the parameters' ``accumulation`` dtypes promoted (fp32
+    for bf16 and fp32), a gradient's own dtype standing for a parameter whose dtype is ``None``.
+    A parameter without a gradient on this rank still counts unless its dtype is ``None``, so
+    that every rank reduces in the same dtype."""
+    dtypes = [d or (g.dtype if g is not None else None) for d, g in zip(accumulation, grads)]
+    return promoted([d for d in dtypes if d is not None], default)
 
 
 def promoted(dtypes: Iterable[torch.dtype], default: torch.dtype) -> torch.dtype:

@@ -14,7 +14,6 @@ its model is data: the :class:`~._settings.StepContext`.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 from typing import Any, Callable, Optional, Sequence
 
@@ -26,12 +25,10 @@ from torch.profiler import record_function
 
 from .._common.errors import on_rank
 from ._collectives import ProfilerLabels
-from ._extension import ExtensionGather
-from ._flat_buffers import BufferPlacement, UnitStorage
 from ._gather import GatherRoute, ParamGather
-from ._grad_dtypes import grads_follow_grad_dtype, promoted
+from ._gather_kinds import gathers_for
+from ._grad_dtypes import accumulation_dtype, grads_follow_grad_dtype, reduce_dtype_for
 from ._hooks import BackwardTracker, cast_floats
-from ._owned import OwnedGather
 from ._param import ShardedParam
 from ._placement.mesh import MeshInfo
 from ._placement.secondary_shard import SecondaryShardGroup
@@ -100,7 +97,7 @@ class Unit:
         self.mesh_info = mesh_info
         self.settings = settings
         self.context = StepContext()  # the model's, once its root is known
-        self.gathers = _gathers_for(self.params, mesh_info, settings)
+        self.gathers = gathers_for(self.params, mesh_info, settings)
         self.streams = _streams_for(mesh_info.device)
         self.reducer = GradientReducer(mesh_info, settings, self.streams)
         self.backward = BackwardTracker()
@@ -127,23 +124,12 @@ class Unit:
 
     def accumulation_dtype(self, sp: ShardedParam) -> Optional[torch.dtype]:
         """The dtype ``sp``'s gradient is accumulated in while sync is off and reduced in
-        (``None``: its own), as the torch sharded runs with decides (:mod:`._grad_dtypes`):
-        ``reduce_dtype`` if set; else from torch 2.15 on the parameter's ``grad_dtype``, before
-        it ``param_dtype`` (or the masters' dtype)."""
-        mp = self.settings.mp_policy
-        if mp.reduce_dtype is not None:
-            return mp.reduce_dtype
-        if grads_follow_grad_dtype():
-            return sp.grad_dtype
-        return mp.param_dtype or self._master_dtype
+        (``None``: its own): :func:`._grad_dtypes.accumulation_dtype`."""
+        return accumulation_dtype(self.settings.mp_policy, self._master_dtype, sp.grad_dtype)
 
     def reduce_dtype_for(self, params: Sequence[ShardedParam], grads: Sequence[Optional[torch.Tensor]]) -> torch.dtype:
-        """The dtype one reduction of ``params``' ``grads`` runs in: their accumulation dtypes
-        promoted (fp32 for bf16 and fp32), a gradient's own dtype standing for a parameter whose
-        ``grad_dtype`` is ``None``. A parameter without a gradient on this rank still counts
-        unless its dtype is ``None``, so that every rank reduces in the same dtype."""
-        dtypes = [self.accumulation_dtype(sp) or (g.dtype if g is not None else None) for sp, g in zip(params, grads)]
-        return promoted([d for d in dtypes if d is not None], self._master_dtype)
+        """The dtype one reduction of ``params``' ``grads`` runs in: :func:`._grad_dtypes.reduce_dtype_for`."""
+        return reduce_dtype_for([self.accumulation_dtype(sp) for sp in params], grads, self._master_dtype)
 
     @property
     def _master_dtype(self) -> torch.dtype:
@@ -366,7 +352,9 @@ class Unit:
     def reset(self) -> None:
         """Back to rest after a failed forward or backward: gathered parameters freed, the
         step's gradients not yet reduced (accumulated with sync off, or awaiting a deferred
-        all-reduce) dropped."""
+        all-reduce) dropped; with torch 2.15 on, as its ``reset_iter_state`` does (in the same
+        change as its gradient dtypes, :mod:`._grad_dtypes`), the sharded ``.grad`` too, so no
+        step runs on the gradients of the units a failed backward had already reduced."""
         for gather in self.gathers:
             gather.discard()  # an all-gather in flight is waited for, not copied out
         if self.shard_state is not ShardState.SHARDED:
@@ -375,6 +363,8 @@ class Unit:
             sp.unsynced_grad = None
             if sp.unsharded is not None:
                 sp.unsharded.grad = None
+            if grads_follow_grad_dtype():  # torch 2.15's reset also drops what earlier units landed
+                sp.sharded.grad = None
         self.reducer.drop_partial()
         self._modules_to_run = set()
         self.training_state = TrainingState.IDLE
@@ -405,39 +395,6 @@ class Unit:
             }
         fulls = [copies[id(sp)] for sp in self.params]
         return [full.to(device) for full in fulls] if device is not None else fulls
-
-
-def _gathers_for(params: list[ShardedParam], mesh_info: MeshInfo, settings: UnitSettings) -> list[ParamGather]:
-    """The plain parameters' flat buffers, then the all-gather extension's, then the owner-placed
-    parameters' broadcasts, each if any; each kind once per dtype the parameters compute in
-    (``param_dtype_override_fn`` may keep some in their own dtype), as a flat buffer holds one."""
-    mp = settings.mp_policy
-    gathers: list[ParamGather] = []
-    for dtype, group in _by_compute_dtype(params).items():
-        plain = [sp for sp in group if not sp.gather_extension and sp.owner is None]
-        extended = [sp for sp in group if sp.gather_extension]
-        owned = [sp for sp in group if sp.owner is not None]
-        placement = BufferPlacement(mesh_info.device, settings.offloads, settings.pins_memory, dtype)
-        if plain:
-            gathers.append(UnitStorage(plain, mesh_info.shard_world, placement))
-        if extended:
-            policy = mp if dtype == mp.param_dtype else dataclasses.replace(mp, param_dtype=dtype)
-            gathers.append(ExtensionGather(extended, mesh_info.mesh, policy, mesh_info.device))
-        if owned:
-            gathers.append(OwnedGather(owned, mesh_info.shard_rank, mesh_info.shard_world, placement))
-    return sorted(gathers, key=_gather_kind_order)
-
-
-def _by_compute_dtype(params: list[ShardedParam]) -> dict[Optional[torch.dtype], list[ShardedParam]]:
-    groups: dict[Optional[torch.dtype], list[ShardedParam]] = {}
-    for sp in params:
-        groups.setdefault(sp.compute_dtype, []).append(sp)
-    return groups
-
-
-def _gather_kind_order(gather: ParamGather) -> int:
-    """Plain buffers first (the unit's master dtype is theirs), then the extension's, then owned."""
-    return 0 if isinstance(gather, UnitStorage) else 1 if isinstance(gather, ExtensionGather) else 2
 
 
 def _streams_for(device: torch.device) -> CommStreams:

@@ -6,7 +6,9 @@ This file validates arguments and wires things up; the mechanism is in the priva
 - ``_gather``: the protocol a unit gathers through, which ``_flat_buffers`` (plain parameters'
   flat buffers, and the gradients' packing) and ``_extension`` (the all-gather extension)
   implement; ``_collectives``: all-gather and reduce-scatter, moving bytes only;
-- ``_reduction``: a unit's gradient reduction, set up and in flight;
+- ``_gather_kinds``: which gathers a unit is made of (a flat buffer per compute dtype);
+- ``_reduction``: a unit's gradient reduction, set up and in flight; ``_grad_dtypes``: the dtype
+  gradients accumulate and reduce in, as the torch installed decides it;
 - ``_settings``: a unit's settings and the step it shares with its model;
 - ``_unit``: a unit's lifecycle; ``_root``: the model-wide forward/backward duties;
   ``_state``: the hooks that drive both; ``_hooks``: autograd and module-hook plumbing;
