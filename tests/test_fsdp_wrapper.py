@@ -225,7 +225,7 @@ def _check_fsdp1_options(rank, world):
                      fp32_reduce_scatter=True, move_params_to_cpu=True, fsdp_auto_wrap_policy={Block})
     unit = units_under(fairscale)[0]
     assert not unit.settings.reshard_after_forward and unit.settings.offloads, "fairscale's spellings of SHARD_GRAD_OP, offload"
-    assert (unit.settings.mp_policy.param_dtype, unit.reduce_dtype) == (torch.bfloat16, torch.float32)
+    assert (unit.settings.mp_policy.param_dtype, unit.reduce_dtype_for(unit.params, [None] * len(unit.params))) == (torch.bfloat16, torch.float32)
     buffers = FSDP(_net(), mixed_precision=MixedPrecision(buffer_dtype=torch.float16)).module.norm.running_mean
     assert buffers.dtype == torch.float16, "buffer_dtype casts buffers"
     # sync_module_states: ranks built different weights, rank 0's win

@@ -23,11 +23,13 @@ __all__ = ["zero3_layout"]
 
 @dataclass(frozen=True)
 class UnitSize:
-    """One unit's bytes on a rank: its shard slots, and its parameters gathered."""
+    """One unit's bytes on a rank: its shard slots, its parameters gathered, and its gradients'
+    reduce-scatter send buffer (in the reduce dtype)."""
 
     shard_bytes: int
     grad_bytes: int
     gathered_bytes: int
+    reduce_bytes: int
     full_bytes: int
     is_root: bool
     aliases_shards: bool = False  # one rank, no dtype change: the gathered parameters view the shards
@@ -52,7 +54,8 @@ def zero3_layout(
     shapes: list[tuple[torch.Size, torch.dtype]] = []
     unit_params = _units(model, wrap)
     for module, params in unit_params:
-        units.append(_unit_size(params, world, param_dtype, is_root=module is model))
+        reduce_dtype = _reduce_dtype(mixed_precision, params)
+        units.append(_unit_size(params, world, param_dtype, reduce_dtype, is_root=module is model))
         shapes.extend(_rank0_shape(p, world) for p in params if p.requires_grad)
     gloo = device.type == "cpu" and world > 1
     children = [params for module, params in unit_params if module is not model]
@@ -69,7 +72,7 @@ def zero3_layout(
     ring = (world - 1) / world
     gathers = len(units) + (sum(1 for u in units if not u.is_root) if reshard_after_forward else 0)
     sent = ring * (sum(u.gathered_bytes for u in units) + sum(u.gathered_bytes for u in units if not u.is_root and reshard_after_forward))
-    sent += ring * sum(u.gathered_bytes for u in units)  # reduce-scatter
+    sent += ring * sum(u.reduce_bytes for u in units)  # reduce-scatter
     return Layout(
         parameters=shard,
         gradients=grads,
@@ -145,7 +148,7 @@ def _backward_walk(
     reducing: InFlight[UnitSize] = InFlight()
 
     def held_by_reductions() -> int:
-        return sum(u.gathered_bytes * (world - 1) // world if gloo else u.gathered_bytes for u in reducing)
+        return sum(u.reduce_bytes * (world - 1) // world if gloo else u.reduce_bytes for u in reducing)
 
     held_root = root.gathered_bytes + root.full_bytes
     peak, comm_at_peak, done_grads = (activations[0], 0, 0) if not order else (0, 0, 0)
@@ -187,11 +190,30 @@ def _units(model: nn.Module, wrap: Any) -> list[tuple[nn.Module, list[nn.Paramet
     return units
 
 
-def _unit_size(params: list[nn.Parameter], world: int, param_dtype: Any, is_root: bool) -> UnitSize:
+def _reduce_dtype(mixed_precision: Any, params: list[nn.Parameter]) -> Optional[torch.dtype]:
+    """The dtype a unit of ``params`` reduces its gradients in (``None``: the parameters'):
+    ``reduce_dtype`` if set; else, for a ``fully_shard`` policy on a torch whose ``fully_shard``
+    follows ``grad_dtype`` (2.15 on), the parameters' gradient dtypes promoted; else (FSDP1's
+    ``MixedPrecision``, or an earlier torch) ``param_dtype``."""
+    if mixed_precision is None or getattr(mixed_precision, "reduce_dtype", None) is not None:
+        return getattr(mixed_precision, "reduce_dtype", None)
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
+
+    from ..fsdp._grad_dtypes import grad_dtype_of, grads_follow_grad_dtype, promoted
+    from ..fsdp.policies import MixedPrecisionPolicy
+
+    fully_shard_policy = isinstance(mixed_precision, (MixedPrecisionPolicy, TorchPolicy))
+    if not fully_shard_policy or not grads_follow_grad_dtype() or not params:
+        return getattr(mixed_precision, "param_dtype", None)
+    return promoted([grad_dtype_of(p) or p.dtype for p in params if p.requires_grad], params[0].dtype)
+
+
+def _unit_size(params: list[nn.Parameter], world: int, param_dtype: Any, reduce_dtype: Optional[torch.dtype], is_root: bool) -> UnitSize:
     if not params:
-        return UnitSize(0, 0, 0, 0, is_root)
+        return UnitSize(0, 0, 0, 0, 0, is_root)
     itemsize = params[0].element_size()
     gathered_itemsize = torch.empty((), dtype=param_dtype).element_size() if param_dtype else itemsize
+    reduce_itemsize = torch.empty((), dtype=reduce_dtype).element_size() if reduce_dtype else itemsize
     slots = sum(ShardGeometry(p.shape, world).slot_numel for p in params)
     trainable = [p for p in params if p.requires_grad]
     grad_slots = sum(ShardGeometry(p.shape, world).slot_numel for p in trainable) + len(trainable)
@@ -200,6 +222,7 @@ def _unit_size(params: list[nn.Parameter], world: int, param_dtype: Any, is_root
         shard_bytes=slots * itemsize,
         grad_bytes=grad_slots * itemsize if trainable else 0,
         gathered_bytes=world * slots * gathered_itemsize,
+        reduce_bytes=world * slots * reduce_itemsize,
         full_bytes=sum(p.numel() for p in params) * gathered_itemsize,
         is_root=is_root,
     )

@@ -1,13 +1,15 @@
 """``fully_shard``'s arguments in torch's spellings, turned into what a unit is built from.
 
 torch's own ``MixedPrecisionPolicy`` / ``OffloadPolicy`` / ``CPUOffloadPolicy`` objects become
-ours (same fields); ``reshard_after_forward`` may be ``None`` or an ``int`` as in torch 2.13; and
+ours, field by field (torch's dataclass fields are read, so a field a later torch adds and sharded
+does not know raises, naming it, unless it holds its default); ``reshard_after_forward`` may be ``None`` or an ``int`` as in torch 2.13; and
 ``shard_placement_fn`` is asked about every parameter (the dim to cut it on, or the owner placement). What sharded does not implement raises
 ``NotImplementedError`` naming the argument, never a silent difference.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Optional, Sequence, Union
 
 from torch.distributed.tensor import Shard
@@ -24,21 +26,43 @@ def as_our_policies(mp_policy: Any, offload_policy: Any) -> tuple[MixedPrecision
     from torch.distributed import fsdp as torch_fsdp
 
     if isinstance(mp_policy, torch_fsdp.MixedPrecisionPolicy):
-        mp_policy = MixedPrecisionPolicy(
-            param_dtype=mp_policy.param_dtype,
-            reduce_dtype=mp_policy.reduce_dtype,
-            output_dtype=mp_policy.output_dtype,
-            cast_forward_inputs=mp_policy.cast_forward_inputs,
-        )
+        mp_policy = MixedPrecisionPolicy(**_fields_we_know(mp_policy, MixedPrecisionPolicy))
     elif not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(on_rank(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}"))
     if isinstance(offload_policy, torch_fsdp.CPUOffloadPolicy):
-        offload_policy = CPUOffloadPolicy(pin_memory=offload_policy.pin_memory)
+        offload_policy = CPUOffloadPolicy(**_fields_we_know(offload_policy, CPUOffloadPolicy))
     elif isinstance(offload_policy, torch_fsdp.OffloadPolicy):
+        _fields_we_know(offload_policy, OffloadPolicy)
         offload_policy = None
     elif offload_policy is not None and not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(on_rank(f"offload_policy must be an OffloadPolicy, got {type(offload_policy).__name__}"))
     return mp_policy, offload_policy
+
+
+def _fields_we_know(theirs: Any, ours: type) -> dict[str, Any]:
+    """The fields of torch's policy object ``theirs`` as keyword arguments for our class
+    ``ours``; a field ours lacks raises ``NotImplementedError`` naming it, unless it holds its
+    default (it then asks for nothing)."""
+    known = {f.name for f in dataclasses.fields(ours)}
+    taken = {}
+    for f in dataclasses.fields(theirs):
+        value = getattr(theirs, f.name)
+        if f.name in known:
+            taken[f.name] = value
+        elif not _is_default(f, value):
+            raise NotImplementedError(on_rank(
+                f"fully_shard: torch's {type(theirs).__name__}({f.name}={value!r}) is not supported by sharded "
+                f"(it knows {sorted(known)}); leave {f.name} at its default or use sharded.fsdp.{ours.__name__}"
+            ))
+    return taken
+
+
+def _is_default(f: dataclasses.Field, value: Any) -> bool:
+    if f.default is not dataclasses.MISSING:
+        return value is f.default or value == f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return bool(value == f.default_factory())
+    return False
 
 
 def resolve_reshard_after_forward(value: Any, shard_world: int) -> Union[bool, int, None]:

@@ -23,15 +23,10 @@ import torch.distributed.fsdp as torch_fsdp
 
 from .._common.errors import on_rank
 
-__all__ = ["FinalizationMode", "GradientReductionHandle", "RESET_DROPS_GRADIENTS", "in_autograd_backward"]
+__all__ = ["FinalizationMode", "GradientReductionHandle", "in_autograd_backward"]
 
 # torch 2.15 exports the handle's type (pipelining annotates with it); earlier torches have none
 _TorchHandle: Any = getattr(torch_fsdp, "GradientReductionHandle", object)
-
-# The torch that added the handle also made reset_iter_state() drop every parameter's .grad
-# (the failed iteration's gradients cannot be told from earlier ones); earlier torches keep them.
-# sharded follows the torch it runs with.
-RESET_DROPS_GRADIENTS = hasattr(torch_fsdp, "GradientReductionHandle")
 
 
 class GradientReductionHandle(_TorchHandle):  # type: ignore[misc]

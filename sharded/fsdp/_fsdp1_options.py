@@ -132,12 +132,14 @@ class FSDP1Options:
 
     def mp_policy(self, root: bool) -> MixedPrecisionPolicy:
         """``fully_shard``'s mixed precision for the root unit or another one (FSDP1 casts the
-        root's forward inputs and the others' by separate switches)."""
+        root's forward inputs and the others' by separate switches). FSDP1 reduces in
+        ``param_dtype`` unless told otherwise, on every torch: spelled out, as ``fully_shard``'s
+        own default follows ``grad_dtype`` from torch 2.15 on."""
         mixed = self.mixed_precision
         if mixed is None:
             return MixedPrecisionPolicy()
         cast = mixed.cast_root_forward_inputs if root else mixed.cast_forward_inputs
-        return MixedPrecisionPolicy(mixed.param_dtype, mixed.reduce_dtype, cast_forward_inputs=cast)
+        return MixedPrecisionPolicy(mixed.param_dtype, mixed.reduce_dtype or mixed.param_dtype, cast_forward_inputs=cast)
 
 
 def fsdp1_options(

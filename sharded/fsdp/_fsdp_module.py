@@ -23,6 +23,7 @@ from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
 from .._common import comm
 from .._common.errors import on_rank
 from ._finalization import GradientReductionHandle
+from ._grad_dtypes import restore_grad_dtype, saved_grad_dtype
 from ._state import state_of
 from ._unit import Unit, unit_of, units_under
 
@@ -84,9 +85,15 @@ class FSDPModule(TorchFSDPModule):
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         """``module.to(...)`` and friends: reshard first (the module then holds its shards),
-        then the original class's ``_apply``; the unit repacks its shards at the next gather."""
-        self._fsdp_unit().reshard()
-        return super(TorchFSDPModule, self)._apply(*args, **kwargs)  # type: ignore[misc]
+        then the original class's ``_apply``; the unit repacks its shards at the next gather.
+        A ``grad_dtype`` set on a shard is given to the tensor that replaces it, as torch does."""
+        unit = self._fsdp_unit()
+        unit.reshard()
+        saved = [(sp, saved_grad_dtype(sp.held_by_module())) for sp in unit.params]
+        applied = super(TorchFSDPModule, self)._apply(*args, **kwargs)  # type: ignore[misc]
+        for sp, grad_dtype in saved:
+            restore_grad_dtype(sp.held_by_module(), grad_dtype)
+        return applied
 
     def _set_unshard_async_op(self, async_op: bool) -> None:
         """For this module's units and those below: ``True`` (sharded's default) issues a unit's

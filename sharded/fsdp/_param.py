@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from .._common.dtensors import held_here
 from .._common.errors import on_rank
+from ._grad_dtypes import carry_grad_dtype, grad_dtype_of, grads_follow_grad_dtype, wider
 from ._placement.dtensor import DTensorLayout, shard_as_dtensor
 
 __all__ = ["ShardGeometry", "ShardedParam"]
@@ -139,6 +140,9 @@ class ShardedParam:
         self.unsharded: Optional[nn.Parameter] = None  # set by the unit's storage before a gather
         # its local tensor defines fsdp_pre/post_all_gather: gathered through them (._extension)
         self.gather_extension = False
+        # the dtype it is gathered and computed in (None: its own), as the unit's mixed precision
+        # policy says for it (``param_dtype_override_fn``)
+        self.compute_dtype: Optional[torch.dtype] = None
         # the gradient summed locally while gradient sync is off (no_sync), in the reduce dtype
         self.unsynced_grad: Optional[torch.Tensor] = None
 
@@ -200,6 +204,7 @@ class ShardedParam:
         if self._sharded is None:
             self._sharded = fresh
             return
+        carry_grad_dtype(self._sharded, fresh)
         fresh.grad = self._sharded.grad
         fresh.__dict__.update(self._sharded.__dict__)
         torch.utils.swap_tensors(self._sharded, fresh)
@@ -228,6 +233,7 @@ class ShardedParam:
                 f"parameter {self.fqn} was replaced after fully_shard by a DTensor laid out as "
                 f"(shape, mesh, placements, local shape) {found}, but its shard is {expected}"
             )
+        carry_grad_dtype(current, replacement)
         self._sharded = cast(nn.Parameter, replacement)
         self.show(self._sharded)
 
@@ -265,11 +271,17 @@ class ShardedParam:
 
     # -------------------------------------------------------------------- gradients
 
-    def take_unsharded_grad(self, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    @property
+    def grad_dtype(self) -> Optional[torch.dtype]:
+        """The dtype its gradients are kept in (``None``: whatever dtype they come in); see
+        :mod:`._grad_dtypes`."""
+        return grad_dtype_of(self.sharded)
+
+    def take_unsharded_grad(self, dtype: Optional[torch.dtype]) -> Optional[torch.Tensor]:
         """The full gradient this rank has for the parameter so far (the unsharded ``.grad`` plus
         what was accumulated with sync off); clears both. A gradient accumulated with sync off is
-        in ``dtype``; a lone ``.grad`` keeps its own, as the reduce-scatter casts while it packs
-        (a cast here would copy every gradient once more)."""
+        in ``dtype`` (``None``: its own); a lone ``.grad`` keeps its own, as the reduce-scatter
+        casts while it packs (a cast here would copy every gradient once more)."""
         grad = self.unsharded.grad if self.unsharded is not None else None
         if grad is not None and grad.layout != torch.strided:
             raise RuntimeError(on_rank(
@@ -287,15 +299,30 @@ class ShardedParam:
 
     def add_to_sharded_grad(self, local_grad: torch.Tensor) -> None:
         """Add ``local_grad`` (this rank's rows of a reduced gradient, in the reduce dtype) to the
-        sharded ``.grad``, cast to the shard's dtype and device."""
+        sharded ``.grad``, cast to the parameter's gradient dtype (:attr:`grad_dtype`: the
+        shard's own unless set; ``None``: left in the reduce dtype) and to its device."""
         master = self.local_shard()
+        dtype = self.grad_dtype or local_grad.dtype
         grad = self.sharded.grad
         if grad is None:  # a copy to the CPU may land later: the unit's backward ends waiting for it
-            self.sharded.grad = self.as_dtensor(local_grad.to(device=master.device, dtype=master.dtype, non_blocking=True))
+            self.sharded.grad = self.as_dtensor(local_grad.to(device=master.device, dtype=dtype, non_blocking=True))
         else:  # read at once by the addition: a copy to the CPU must have landed first
-            cast(DTensor, grad).to_local().add_(local_grad.to(device=master.device, dtype=master.dtype))
+            cast(DTensor, grad).to_local().add_(local_grad.to(device=master.device, dtype=dtype))
 
-    def keep_unsynced(self, dtype: torch.dtype) -> None:
-        """Move the unsharded ``.grad`` into the local accumulator, in ``dtype`` (sync is off)."""
+    def accept_grads_in(self, accumulation: Optional[torch.dtype]) -> None:
+        """Where torch's ``fully_shard`` follows ``grad_dtype`` (2.15): let autograd hand the
+        unsharded parameter its gradients as torch's does. A gradient to accumulate in a wider
+        dtype than the parameter computes in is taken in whatever dtype autograd makes it (an
+        fp32 norm's gradient is not rounded to bf16 first), the widening left to the reduction;
+        except one that may still be summed over tensor-parallel ranks, which autograd widens
+        first so that sum runs in the wider dtype. Any other is taken in ``accumulation``."""
+        if self.unsharded is None or not grads_follow_grad_dtype():
+            return
+        defer = wider(accumulation, self.unsharded.dtype) and not (self.layout is not None and self.layout.may_sum_grads_over_tp)
+        self.unsharded.grad_dtype = None if defer else accumulation  # type: ignore[attr-defined]
+
+    def keep_unsynced(self, dtype: Optional[torch.dtype]) -> None:
+        """Move the unsharded ``.grad`` into the local accumulator, in ``dtype`` (sync is off;
+        ``None``: the gradient's own)."""
         taken = self.take_unsharded_grad(dtype)
-        self.unsynced_grad = None if taken is None else taken.to(dtype)
+        self.unsynced_grad = taken if taken is None or dtype is None else taken.to(dtype)

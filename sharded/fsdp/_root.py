@@ -28,7 +28,7 @@ from .._common.checks import check_same_across_ranks
 from .._common.errors import on_rank
 from .._common.in_flight import MAX_REDUCTIONS_IN_FLIGHT, InFlight
 from ._extension import check_no_late_hooks
-from ._finalization import RESET_DROPS_GRADIENTS, GradientReductionHandle
+from ._finalization import GradientReductionHandle
 from ._graph_task import accumulates_gradient
 from ._reduction import UnitReduction
 from ._unit import ShardState, TrainingState, Unit, unit_of, units_under
@@ -241,14 +241,12 @@ class Root:
 
     def reset(self) -> None:
         """``reset_iter_state``: wait for every collective in flight (so the ranks stay in step),
-        drop the gradients they carry (on a torch whose reset does, every ``.grad``), and return
-        every unit to rest."""
+        drop the gradients they carry, and return every unit to rest (each unit's ``reset`` says
+        which gradients go)."""
         for reduction in self._reductions.beyond(0):
             reduction.abandon()
         for u in self.units:
             u.reset()
-            for sp in u.params if RESET_DROPS_GRADIENTS else []:
-                sp.sharded.grad = None
         self._kept = {}
         self._this_forward = {}
         self._ended_this_forward = {}

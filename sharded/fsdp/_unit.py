@@ -25,11 +25,10 @@ from torch.profiler import record_function
 
 from .._common.errors import on_rank
 from ._collectives import ProfilerLabels
-from ._extension import ExtensionGather
-from ._flat_buffers import BufferPlacement, UnitStorage
 from ._gather import GatherRoute, ParamGather
+from ._gather_kinds import gathers_for
+from ._grad_dtypes import accumulation_dtype, grads_follow_grad_dtype, reduce_dtype_for
 from ._hooks import BackwardTracker, cast_floats
-from ._owned import OwnedGather
 from ._param import ShardedParam
 from ._placement.mesh import MeshInfo
 from ._placement.secondary_shard import SecondaryShardGroup
@@ -98,7 +97,7 @@ class Unit:
         self.mesh_info = mesh_info
         self.settings = settings
         self.context = StepContext()  # the model's, once its root is known
-        self.gathers = _gathers_for(self.params, mesh_info, settings)
+        self.gathers = gathers_for(self.params, mesh_info, settings)
         self.streams = _streams_for(mesh_info.device)
         self.reducer = GradientReducer(mesh_info, settings, self.streams)
         self.backward = BackwardTracker()
@@ -123,10 +122,14 @@ class Unit:
         """The module ``fully_shard`` was given (of a list, the first)."""
         return self.modules[0]
 
-    @property
-    def reduce_dtype(self) -> torch.dtype:
-        mp = self.settings.mp_policy
-        return mp.reduce_dtype or mp.param_dtype or self._master_dtype
+    def accumulation_dtype(self, sp: ShardedParam) -> Optional[torch.dtype]:
+        """The dtype ``sp``'s gradient is accumulated in while sync is off and reduced in
+        (``None``: its own): :func:`._grad_dtypes.accumulation_dtype`."""
+        return accumulation_dtype(self.settings.mp_policy, self._master_dtype, sp.grad_dtype)
+
+    def reduce_dtype_for(self, params: Sequence[ShardedParam], grads: Sequence[Optional[torch.Tensor]]) -> torch.dtype:
+        """The dtype one reduction of ``params``' ``grads`` runs in: :func:`._grad_dtypes.reduce_dtype_for`."""
+        return reduce_dtype_for([self.accumulation_dtype(sp) for sp in params], grads, self._master_dtype)
 
     @property
     def _master_dtype(self) -> torch.dtype:
@@ -208,6 +211,7 @@ class Unit:
         self.streams.compute_waits(ready)
         for sp in self.params:
             sp.show_unsharded()
+            sp.accept_grads_in(self.accumulation_dtype(sp))
         self.shard_state = ShardState.UNSHARDED
 
     def _secondary_shard_to_keep(self) -> Optional[SecondaryShardGroup]:
@@ -321,15 +325,33 @@ class Unit:
         self.training_state = TrainingState.POST_BACKWARD
         trainable = [sp for sp in self.params if sp.requires_grad] if fills_grads else []
         sending = bool(trainable) and (self._syncs() if syncs is None else syncs)
-        grads = [sp.take_unsharded_grad(self.reduce_dtype) for sp in trainable] if sending else []
+        if sending:
+            self._check_unused_can_land(trainable)
+        grads = [sp.take_unsharded_grad(self.accumulation_dtype(sp)) for sp in trainable] if sending else []
         if not sending:
             for sp in trainable:
-                sp.keep_unsynced(self.reduce_dtype)
+                sp.keep_unsynced(self.accumulation_dtype(sp))
         if self.settings.reshard_after_backward:  # first: the gathered parameters go before the send buffer comes
             self.reshard()
         if not sending:
             return None
-        return lambda: self.reducer.start(trainable, grads, self.reduce_dtype, self.labels)
+        dtype = self.reduce_dtype_for(trainable, grads)
+        return lambda: self.reducer.start(trainable, grads, dtype, self.labels)
+
+    def _check_unused_can_land(self, trainable: list[ShardedParam]) -> None:
+        """``set_reduce_scatter_unused_params(True)`` sends zeros for a parameter without a
+        gradient, which needs a dtype every rank agrees on: a parameter whose ``grad_dtype`` is
+        ``None`` has none unless ``reduce_dtype`` is set. Checked on every rank alike, whether
+        or not the gradient came, as torch checks it, so no rank waits for another."""
+        if not self.settings.reduce_scatter_unused_params:
+            return
+        for sp in trainable:
+            if self.accumulation_dtype(sp) is None:
+                raise ValueError(on_rank(
+                    f"fully_shard({self.module_name}): parameter {sp.fqn} has grad_dtype=None, and its gradient, when "
+                    "unused, would be sent as zeros of no agreed dtype (set_reduce_scatter_unused_params(True)); "
+                    "set MixedPrecisionPolicy(reduce_dtype=...) to the dtype its gradients have, or set its grad_dtype"
+                ))
 
     def _syncs(self) -> bool:
         """Whether the gradients go now: ``requires_gradient_sync`` as it is (torch's FSDP2
@@ -341,7 +363,9 @@ class Unit:
     def reset(self) -> None:
         """Back to rest after a failed forward or backward: gathered parameters freed, the
         step's gradients not yet reduced (accumulated with sync off, or awaiting a deferred
-        all-reduce) dropped."""
+        all-reduce) dropped; with torch 2.15 on, as its ``reset_iter_state`` does (in the same
+        change as its gradient dtypes, :mod:`._grad_dtypes`), the sharded ``.grad`` too, so no
+        step runs on the gradients of the units a failed backward had already reduced."""
         for gather in self.gathers:
             gather.discard()  # an all-gather in flight is waited for, not copied out
         if self.shard_state is not ShardState.SHARDED:
@@ -350,6 +374,8 @@ class Unit:
             sp.unsynced_grad = None
             if sp.unsharded is not None:
                 sp.unsharded.grad = None
+            if grads_follow_grad_dtype():  # torch 2.15's reset also drops what earlier units landed
+                sp.sharded.grad = None
         self.reducer.drop_partial()
         self._modules_to_run = set()
         self.training_state = TrainingState.IDLE
@@ -380,23 +406,6 @@ class Unit:
             }
         fulls = [copies[id(sp)] for sp in self.params]
         return [full.to(device) for full in fulls] if device is not None else fulls
-
-
-def _gathers_for(params: list[ShardedParam], mesh_info: MeshInfo, settings: UnitSettings) -> list[ParamGather]:
-    """The plain parameters' flat buffers, then the all-gather extension's, then the owner-placed
-    parameters' broadcasts, each if any."""
-    plain = [sp for sp in params if not sp.gather_extension and sp.owner is None]
-    extended = [sp for sp in params if sp.gather_extension]
-    owned = [sp for sp in params if sp.owner is not None]
-    placement = BufferPlacement(mesh_info.device, settings.offloads, settings.pins_memory, settings.mp_policy.param_dtype)
-    gathers: list[ParamGather] = []
-    if plain:
-        gathers.append(UnitStorage(plain, mesh_info.shard_world, placement))
-    if extended:
-        gathers.append(ExtensionGather(extended, mesh_info.mesh, settings.mp_policy, mesh_info.device))
-    if owned:
-        gathers.append(OwnedGather(owned, mesh_info.shard_rank, mesh_info.shard_world, placement))
-    return gathers
 
 
 def _streams_for(device: torch.device) -> CommStreams:

@@ -6,7 +6,9 @@ This file validates arguments and wires things up; the mechanism is in the priva
 - ``_gather``: the protocol a unit gathers through, which ``_flat_buffers`` (plain parameters'
   flat buffers, and the gradients' packing) and ``_extension`` (the all-gather extension)
   implement; ``_collectives``: all-gather and reduce-scatter, moving bytes only;
-- ``_reduction``: a unit's gradient reduction, set up and in flight;
+- ``_gather_kinds``: which gathers a unit is made of (a flat buffer per compute dtype);
+- ``_reduction``: a unit's gradient reduction, set up and in flight; ``_grad_dtypes``: the dtype
+  gradients accumulate and reduce in, as the torch installed decides it;
 - ``_settings``: a unit's settings and the step it shares with its model;
 - ``_unit``: a unit's lifecycle; ``_root``: the model-wide forward/backward duties;
   ``_state``: the hooks that drive both; ``_hooks``: autograd and module-hook plumbing;
@@ -29,6 +31,7 @@ from .._common.errors import on_rank
 from ._arguments import as_our_policies, resolve_reshard_after_forward, shard_placements
 from ._collect import check_not_sharded, collect_unit_params
 from ._extension import has_gather_extension
+from ._grad_dtypes import carry_grad_dtype
 from ._fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from ._hooks import install_forward_hooks, install_state_dict_hooks
 from ._param import ShardedParam, ShardGeometry
@@ -146,12 +149,14 @@ def fully_shard(
     ]
     for sp, (name, param, _) in zip(params, taken):
         sp.gather_extension = has_gather_extension(param, name, sp.geometry.dim)
+        sp.compute_dtype = _compute_dtype(mp_policy, param, name)
     _check_tensor_parallel_params(params)
     unit = Unit(modules, params, info, _unit_settings(info, params, mp_policy, offload_policy, reshard_after_forward))
     state = UnitState(unit)
     register_with_torch(modules, state)
     unit.shard_from_full([local_tensor_of(param) for _, param, _ in taken])
     for sp, (_, original, _) in zip(params, taken):
+        carry_grad_dtype(original, sp.sharded)
         sp.show_sharded()
         register_sharded(sp.sharded, unit)
         retire(original, unit, sp)
@@ -165,6 +170,14 @@ def fully_shard(
 
 
 fully_shard.state = state_of  # type: ignore[attr-defined]  # torch's fully_shard has it too
+
+
+def _compute_dtype(mp_policy: MixedPrecisionPolicy, param: nn.Parameter, name: str) -> Optional[torch.dtype]:
+    """The dtype ``param`` is gathered in (``None``: its own)."""
+    try:
+        return mp_policy.compute_dtype_of(param, name)
+    except ValueError as bad:
+        raise ValueError(on_rank(f"fully_shard: {bad}")) from None
 
 
 def _spmd_mesh(process_group: Any, mesh: Optional[DeviceMesh], dp_mesh_dims: Any, reshard_after_forward: Any) -> MeshInfo:

@@ -70,6 +70,12 @@ class DTensorLayout:
                 full, self.compute_mesh, self.compute_placements, run_check=False, shape=self.shape, stride=self.stride
             )
 
+    @property
+    def may_sum_grads_over_tp(self) -> bool:
+        """Whether a gradient may come as a ``Partial`` sum over a mesh dim that is not data
+        parallel (the parameter is ``Replicate()`` there), which :meth:`local_grad` all-reduces."""
+        return any(isinstance(p, Replicate) for i, p in enumerate(self.compute_placements) if i not in self.grad_kept_dims)
+
     def local_grad(self, grad: torch.Tensor) -> torch.Tensor:
         """The unsharded gradient as a plain tensor shaped like the gathered local tensor."""
         if not isinstance(grad, DTensor):
