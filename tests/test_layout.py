@@ -18,6 +18,8 @@ BELOW = {
     "_common": set(),
     "_owners": {"_common"},
     "oss": {"_common", "_owners"},
+    "zero_redundancy_optimizer": {"_common", "_owners", "oss"},
+    "ddp_zero_hook": {"_common", "_owners", "oss"},
     "sharded_ddp": {"_common", "_owners", "oss"},
     "grad_scaler": {"_common"},
     "fsdp": {"_common"},

@@ -302,7 +302,7 @@ def test_full_checkpoint_is_one_file_in_torch_format_and_sharded_one_a_folder_pe
     full = launches["one"]["full_file"]
     assert full["keys"] == full["expected_keys"]
     assert full["optimizer_keys"] == list(range(len(full["expected_keys"])))
-    assert launches["one"]["sharded_folder"] == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert launches["one"]["sharded_folder"] == [".metadata", ".sharded-versions.json", "__0_0.distcp", "__1_0.distcp"]
 
 
 @pytest.mark.parametrize("state_dict_type", STATE_DICT_TYPES)

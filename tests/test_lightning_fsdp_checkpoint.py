@@ -204,7 +204,7 @@ def test_trainer_and_fabric_write_one_sharded_checkpoint_layout_with_one_index(l
     Lightning's own state; a plain (unsharded) model and optimizer read them in one process."""
     root, two = launches["root"], launches["two"][0]
     for name in ("kept.ckpt", "fabric.ckpt"):
-        assert launches["listings"][name] == [".metadata", "__0_0.distcp", "__1_0.distcp"], launches["listings"]
+        assert launches["listings"][name] == [".metadata", ".sharded-versions.json", "__0_0.distcp", "__1_0.distcp"], launches["listings"]
     trainer_module, fabric_model = GPTModule("adamw"), gpt()
     for module, optimizer, folder in (
         (trainer_module, torch.optim.AdamW(decay_groups(trainer_module), lr=ADAM_LR), root / "replaced.ckpt"),

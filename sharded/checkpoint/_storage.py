@@ -25,19 +25,22 @@ from typing import IO, Any
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorProperties, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 from .._common.errors import on_rank
 from ._fit_checks import CheckpointError
 from ._paths import KeyPath
-from ._versions import index_class, version_note
+from ._versions import version_note
 
 __all__ = ["METADATA_FILE", "DataOnlyPlanner", "Index", "VerifyingReader", "read_index"]
 
 METADATA_FILE = ".metadata"
 _METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+# Fields newer torch versions appended to TensorProperties' pickled state, in order, which a
+# reader can drop: they describe the saved tensor, not where its elements go (see ._versions).
+_INFORMATIONAL_PROPERTIES = ("strides",)
 _SAFE_GLOBALS = {
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),  # rebuilds a torch.layout from its name
@@ -139,6 +142,41 @@ def _is_index_type(module: str, name: str) -> bool:
         found = getattr(sys.modules[module], name, None)
         return isinstance(found, type) and (dataclasses.is_dataclass(found) or issubclass(found, enum.Enum))
     return False
+
+
+def index_class(found: type) -> type:
+    """The class the index unpickler builds for ``found``: ``found`` itself, except torch's
+    ``TensorProperties`` where this torch lacks a field newer ones write."""
+    if found is TensorProperties and not _knows_all_informational_fields():
+        return _TensorPropertiesOfNewerTorch
+    return found
+
+
+def _knows_all_informational_fields() -> bool:
+    known = {field.name for field in dataclasses.fields(TensorProperties)}
+    return all(name in known for name in _INFORMATIONAL_PROPERTIES)
+
+
+class _TensorPropertiesOfNewerTorch(TensorProperties):
+    """torch's ``TensorProperties``, rebuilt from the state of a newer torch's: the fields this
+    torch knows, the informational ones dropped, any other raising."""
+
+    def __setstate__(self, state: Any) -> None:
+        own = _own_state_length()
+        if isinstance(state, tuple) and len(state) > own:
+            extra = len(state) - own
+            if extra > len(_INFORMATIONAL_PROPERTIES):
+                raise ValueError(
+                    f"TensorProperties carries {extra} fields this torch does not know (it knows "
+                    f"{', '.join(_INFORMATIONAL_PROPERTIES)} as information only)"
+                )
+            state = state[:own]
+        super().__setstate__(state)
+
+
+def _own_state_length() -> int:
+    """How many values this torch's ``TensorProperties`` pickles."""
+    return len(TensorProperties(dtype=torch.float32).__getstate__())
 
 
 class DataOnlyPlanner(DefaultLoadPlanner):

@@ -10,37 +10,35 @@ writes an index an older torch's classes cannot rebuild. torch 2.15 added
 ``TensorProperties.strides`` (the saved tensor's strides): torch 2.13 and 2.14 fail on it with
 "too many values to unpack". The strides are information only for :func:`load`: every record is a
 whole tensor, read with ``torch.load`` and copied element by element into its target, whatever its
-strides. So the index reader rebuilds such properties with the fields this torch knows and drops
-the strides; any other field it does not know stops the load with an error naming the writer's and
-the reader's torch versions (see :func:`version_note`), never a trace from inside DCP.
+strides. So the index reader (``_storage``, which imports DCP; this module does not, as ``save``
+imports it) rebuilds such properties with the fields this torch knows and drops the strides; any
+other field it does not know stops the load with an error naming the writer's and the reader's
+torch versions (see :func:`version_note`), never a trace from inside DCP.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from torch.distributed.checkpoint.metadata import TensorProperties
 
-__all__ = ["VERSIONS_FILE", "index_class", "record_writer", "version_note"]
+__all__ = ["VERSIONS_FILE", "record_writer", "version_note", "written_by"]
 
 VERSIONS_FILE = ".sharded-versions.json"
-# Fields newer torch versions appended to TensorProperties' pickled state, in order, which a
-# reader can drop: they describe the saved tensor, not where its elements go.
-_INFORMATIONAL_PROPERTIES = ("strides",)
 
 
 def record_writer(directory: Path) -> None:
     """Write the versions file into ``directory`` (one rank), durably."""
-    from .. import __version__
-
+    # the package is loaded (this module is part of it); read its version without importing it
+    # from a layer below the package's __init__
+    version = getattr(sys.modules["sharded"], "__version__", "unknown")
     path = directory / VERSIONS_FILE
     with open(path, "w") as stream:
-        json.dump({"torch": torch.__version__, "sharded": __version__}, stream)
+        json.dump({"torch": torch.__version__, "sharded": version}, stream)
         stream.flush()
         os.fsync(stream.fileno())
 
@@ -71,38 +69,3 @@ def version_note(directory: Path) -> str:
         f"written under torch {record['torch']} (sharded {record['sharded']}), read under torch "
         f"{torch.__version__}: load it under torch {record['torch']}"
     )
-
-
-def index_class(found: type) -> type:
-    """The class the index unpickler builds for ``found``: ``found`` itself, except torch's
-    ``TensorProperties`` where this torch lacks a field newer ones write."""
-    if found is TensorProperties and not _knows_all_informational_fields():
-        return _TensorPropertiesOfNewerTorch
-    return found
-
-
-def _knows_all_informational_fields() -> bool:
-    known = {field.name for field in dataclasses.fields(TensorProperties)}
-    return all(name in known for name in _INFORMATIONAL_PROPERTIES)
-
-
-class _TensorPropertiesOfNewerTorch(TensorProperties):
-    """torch's ``TensorProperties``, rebuilt from the state of a newer torch's: the fields this
-    torch knows, the informational ones dropped, any other raising."""
-
-    def __setstate__(self, state: Any) -> None:
-        own = _own_state_length()
-        if isinstance(state, tuple) and len(state) > own:
-            extra = len(state) - own
-            if extra > len(_INFORMATIONAL_PROPERTIES):
-                raise ValueError(
-                    f"TensorProperties carries {extra} fields this torch does not know (it knows "
-                    f"{', '.join(_INFORMATIONAL_PROPERTIES)} as information only)"
-                )
-            state = state[:own]
-        super().__setstate__(state)
-
-
-def _own_state_length() -> int:
-    """How many values this torch's ``TensorProperties`` pickles."""
-    return len(TensorProperties(dtype=torch.float32).__getstate__())
