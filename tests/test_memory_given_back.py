@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import types
 import weakref
+from collections import Counter
 from typing import Any, Callable
 
 import torch
@@ -95,18 +97,24 @@ def _train(rank: int, wrapped: nn.Module, optimizer: torch.optim.Optimizer, step
         optimizer.zero_grad()
 
 
-def _cyclic_garbage_of_steps(rank: int, wrap: Callable) -> int:
-    """Objects only a cyclic collection frees, left by ``STEPS`` training steps after warm-up.
-    They survive into the oldest generation, whose collections Python runs rarely: a long run's
-    resident set grows between them."""
+def _cyclic_garbage_of_steps(rank: int, wrap: Callable) -> tuple[int, str]:
+    """Objects only a cyclic collection frees, left by ``STEPS`` training steps after warm-up,
+    and the commonest of their types (to find the cycle by). They survive into the oldest
+    generation, whose collections Python runs rarely: a long run's resident set grows between them."""
     wrapped, optimizer = wrap(_mlp())
     _train(rank, wrapped, optimizer, range(2))
     gc.collect()
     gc.disable()
     try:
         _train(rank, wrapped, optimizer, range(2, 2 + STEPS))
-        return gc.collect()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        found = gc.collect()
+        kinds = Counter(type(o).__qualname__ for o in gc.garbage).most_common(8)
+        named = [repr(o)[:120] for o in gc.garbage if isinstance(o, (types.FunctionType, types.FrameType))][:6]
+        return found, f"{kinds}; {named}"
     finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
         gc.enable()
 
 
@@ -143,8 +151,8 @@ def _check_models_are_freed(rank: int, world: int) -> None:
             f"rank {rank}, {stage}: resident memory grew {grown:.1f} MiB over {CYCLES} cycles "
             f"(one model's parameters: {params_mib:.1f} MiB)"
         )
-        garbage = _cyclic_garbage_of_steps(rank, wrap)
-        assert garbage == 0, f"rank {rank}, {stage}: {STEPS} training steps left {garbage} objects in reference cycles"
+        garbage, kinds = _cyclic_garbage_of_steps(rank, wrap)
+        assert garbage == 0, f"rank {rank}, {stage}: {STEPS} training steps left {garbage} objects in reference cycles: {kinds}"
 
 
 def test_dropped_models_are_freed_and_steps_leave_no_cycles_at_every_stage():
