@@ -110,7 +110,7 @@ def _cyclic_garbage_of_steps(rank: int, wrap: Callable) -> tuple[int, str]:
         gc.set_debug(gc.DEBUG_SAVEALL)
         found = gc.collect()
         kinds = Counter(type(o).__qualname__ for o in gc.garbage).most_common(8)
-        named = [repr(o)[:120] for o in gc.garbage if isinstance(o, (types.FunctionType, types.FrameType))][:6]
+        named = [repr(o)[:120] for o in gc.garbage if isinstance(o, (types.FunctionType, types.FrameType, type))][:6]
         return found, f"{kinds}; {named}"
     finally:
         gc.set_debug(0)
@@ -133,9 +133,19 @@ def _return_freed_tensors_to_the_system() -> None:
         libc.malloc_trim(0)
 
 
+def _ddp_with_adam(model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
+    return DDP(model), torch.optim.Adam(model.parameters(), lr=1e-3)
+
+
 def _check_models_are_freed(rank: int, world: int) -> None:
     _return_freed_tensors_to_the_system()
     params_mib = sum(p.numel() * 4 for p in _mlp().parameters()) / 2**20
+    # What DDP + torch's Adam leave themselves: on a CUDA build without a GPU, with Lightning's
+    # PYTORCH_NVML_BASED_CUDA_CHECK=1 in the environment (an earlier test's), every Adam step's
+    # accelerator check loads NVML through a fresh ctypes.CDLL, a cycle of 6 objects; ours may
+    # leave no more than that
+    _cyclic_garbage_of_steps(rank, _ddp_with_adam)  # warm-up
+    baseline, baseline_kinds = _cyclic_garbage_of_steps(rank, _ddp_with_adam)
     for stage, wrap in STAGES.items():
         _train_and_drop(rank, wrap)  # warm-up: caches, the process group's buffers, imports
         gc.collect()
@@ -152,7 +162,10 @@ def _check_models_are_freed(rank: int, world: int) -> None:
             f"(one model's parameters: {params_mib:.1f} MiB)"
         )
         garbage, kinds = _cyclic_garbage_of_steps(rank, wrap)
-        assert garbage == 0, f"rank {rank}, {stage}: {STEPS} training steps left {garbage} objects in reference cycles: {kinds}"
+        assert garbage <= baseline, (
+            f"rank {rank}, {stage}: {STEPS} training steps left {garbage} objects in reference cycles, DDP + Adam "
+            f"{baseline}: {kinds} (DDP + Adam: {baseline_kinds})"
+        )
 
 
 def test_dropped_models_are_freed_and_steps_leave_no_cycles_at_every_stage():
