@@ -25,6 +25,7 @@ from .sharded_ddp import ShardedDataParallel
 from .ddp_zero_hook import hook_with_zero_step, hook_with_zero_step_interleaved
 from ._memory.estimate import MemoryEstimate, estimate_memory
 from ._common.step_cost import newton_schulz_cost
+from ._common.lowbit import LowBit, LowBitCheck
 from .fsdp import __getattr__ as _fsdp_getattr
 
 if TYPE_CHECKING:  # imported on first use at run time (see __getattr__); typed for checkers
@@ -46,6 +47,8 @@ __all__ = [
     "estimate_memory",
     "plan",
     "newton_schulz_cost",
+    "LowBit",
+    "LowBitCheck",
     "__version__",
 ]
 

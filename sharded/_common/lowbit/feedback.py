@@ -1,0 +1,56 @@
+"""Error feedback: each rank's rounding residual of what it sent, added to what it sends next.
+
+With a residual ``e`` kept per message, a rank sends ``q = Q(g + e)`` and keeps
+``e' = g + e - decode(q)``. Over ``T`` steps the values sent add up to the values meant minus the
+last residual (``sum decode(q_t) = sum g_t - e_T``), so the rounding never accumulates: the
+optimizer sees a sum of gradients whose error stays within one step's rounding, where rounding
+afresh every step lets biased rounding (small values that always round to zero) add up. This is
+the scheme of 1-bit Adam and of ZeRO++'s gradient path. Residuals are per rank and per message,
+float32, the size of what the rank sends: kept where the wrapper keeps its gradients and saved
+with its state (``state_dict`` below).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .codecs import Codec
+
+__all__ = ["ErrorFeedback"]
+
+
+class ErrorFeedback:
+    """Residuals keyed by message name (a bucket, a unit's gradient chunk); float32."""
+
+    def __init__(self) -> None:
+        self._residuals: dict[str, torch.Tensor] = {}
+
+    def encode(self, key: str, x: torch.Tensor, codec: Codec, block_size: int) -> torch.Tensor:
+        """``x`` plus its residual, encoded; the new residual is kept. A residual whose size no
+        longer matches ``x`` (the wrapper was rebuilt with other buckets) is dropped."""
+        meant = x.detach().reshape(-1).float()
+        residual = self._residuals.get(key)
+        if residual is not None and residual.shape == meant.shape and residual.device == meant.device:
+            meant = meant + residual
+        message = codec.encode(meant, block_size)
+        decoded = codec.decode(message, meant.numel(), block_size)
+        left = meant - decoded
+        # A non-finite value (an overflow the scaler will skip) must not poison later steps.
+        self._residuals[key] = torch.where(torch.isfinite(left), left, torch.zeros_like(left))
+        return message
+
+    def clear(self) -> None:
+        """Forget every residual (after a skipped step the scaler discards, a load, a reset)."""
+        self._residuals.clear()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The residuals by message name, to save beside the wrapper's own state."""
+        return dict(self._residuals)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Take saved residuals back (one whose size no longer fits its message is dropped at the
+        next send, as after a rebuild)."""
+        self._residuals = {name: value.detach().float().clone() for name, value in state.items()}
+
+    def __len__(self) -> int:
+        return len(self._residuals)
