@@ -178,3 +178,194 @@ def test_owner_gradient_is_the_decoded_sum_within_the_codec_bounds(world):
         assert sent < exact / 3  # int8 at block 64: 1.06 bytes per element against 4
         sent4 = sum(f["int4"][0] for f in figures)
         assert sent4 < exact / 6
+
+
+def _wrap(policy, model=None, **kwargs) -> ShardedDataParallel:
+    model = model if model is not None else _model()
+    return ShardedDataParallel(model, OSS(model.parameters(), torch.optim.SGD, lr=0.1), reduce_buffer_size=2500, lowbit=policy, **kwargs)
+
+
+def _no_sync_and_clip(rank: int, world: int) -> None:
+    """Micro-batches under no_sync are sent once, summed, at the synced backward; the clip's
+    norm is the norm of the delivered gradients."""
+    policy = LowBit(grads="int4", block_size=BLOCK, min_numel=0)
+    sdp = _wrap(policy)
+    names = {p: n for n, p in sdp.module.named_parameters()}
+    wire = sdp._lowbit.wire
+    grads, buckets = _local_grads(sdp, world, 0, micros=3), sdp._router.buckets
+    for m in range(2):
+        with sdp.no_sync():
+            _loss(sdp, _batch(rank, 0, m)).backward()
+    assert wire.traffic.step == 0 and sdp.lowbit_traffic is None  # nothing sent yet
+    _loss(sdp, _batch(rank, 0, 2)).backward()
+    assert wire.traffic.step == 1
+    delivered, _, _ = Predict(policy, world).step(buckets, names, grads)
+    for p, n in names.items():
+        if sdp.param_to_rank[p] == rank:
+            assert torch.equal(p.grad, delivered[n]), n
+    norm = sdp.clip_grad_norm_(1e9)
+    expect = torch.cat([g.reshape(-1) for g in delivered.values()]).norm()
+    assert float(norm) == pytest.approx(float(expect), rel=1e-5)
+
+
+def _shadow(rank: int, world: int) -> dict:
+    """check_every=2: steps 0 and 2 report the reduce's error as measured against the exact sum."""
+    figures = {}
+    for fmt in FORMATS:
+        checks = []
+        policy = LowBit(grads=fmt, block_size=BLOCK, min_numel=0, check_every=2, on_check=checks.append)
+        sdp = _wrap(policy)
+        names = {p: n for n, p in sdp.module.named_parameters()}
+        predict = Predict(policy, world)
+        owns = any(b.owner == rank for b in sdp._router.buckets)
+        for step in range(3):
+            grads, buckets = _local_grads(sdp, world, step), sdp._router.buckets
+            _, _, exact = predict.step(buckets, names, grads)
+            sdp.sharded_optimizers[0].zero_grad()
+            _loss(sdp, _batch(rank, step)).backward()
+            mine = [n for p, n in names.items() if sdp.param_to_rank[p] == rank]
+            got = [c for c in checks if c.step == step]
+            if step == 1 or not owns:
+                assert got == []
+            else:
+                (check,) = got
+                assert check.collective == "reduce" and check.elements == sum(exact[n].numel() for n in mine)
+                delivered = torch.cat([dict(sdp.module.named_parameters())[n].grad.reshape(-1) for n in mine])
+                reference = torch.cat([exact[n].reshape(-1) for n in mine])
+                measured = float((delivered - reference).norm() / reference.norm())
+                assert check.relative_error == pytest.approx(measured, rel=1e-3) and measured > 0
+                figures.setdefault(fmt, []).append(check.relative_error)
+            sdp.sharded_optimizers[0].step()
+        sdp.remove_hooks()
+    return figures
+
+
+def _scaler(rank: int, world: int) -> None:
+    """An inf in one rank's gradients arrives as NaN blocks: the step is skipped on every rank and
+    the residuals of that step dropped; a scale that grows takes the residuals with it."""
+    sdp = _wrap(LowBit(grads="int8", block_size=BLOCK, min_numel=0))
+    opt, feedback = sdp.sharded_optimizers[0], sdp._lowbit.wire.feedback
+    scaler = ShardedGradScaler(init_scale=2.0**8, growth_interval=1, device="cpu")
+    before = [p.detach().clone() for p in sdp.module.parameters()]
+    x = _batch(rank, 0)
+    if rank == 0:
+        x[0, 0] = float("inf")
+    scaler.scale(_loss(sdp, x)).backward()
+    assert len(feedback) > 0
+    scaler.step(opt)
+    scaler.update()
+    assert all(torch.equal(a, b) for a, b in zip(before, sdp.module.parameters()))
+    assert scaler.get_scale() == 2.0**7 and len(feedback) == 0
+    opt.zero_grad()
+    scaler.scale(_loss(sdp, _batch(rank, 1))).backward()
+    kept = {k: v.clone() for k, v in feedback.state_dict().items()}
+    assert kept and any(bool(v.abs().max() > 0) for v in kept.values())
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 2.0**8
+    assert all(torch.equal(feedback.state_dict()[k], 2 * v) for k, v in kept.items())
+    sdp.remove_hooks()
+
+
+def _feedback_keeps_the_sum(rank: int, world: int) -> dict:
+    """Values below half a step of their block round to zero every time: without error feedback
+    they are lost for good, with it the sum delivered over the steps stays within one rounding."""
+    errors = {}
+    for feedback in (True, False):
+        policy = LowBit(grads="int8", block_size=BLOCK, min_numel=0, error_feedback=feedback)
+        sdp = _wrap(policy)
+        total: dict[str, torch.Tensor] = {}
+        steps = 12
+        for _ in range(steps):
+            sdp.zero_grad()
+            for p in sdp.module.parameters():
+                g = torch.full_like(p, 1e-3 * (rank + 1))
+                g.view(-1)[0] = 1.0
+                p.grad = g
+            sdp.reduce()
+            for n, p in sdp.module.named_parameters():
+                if p.grad is not None:
+                    total[n] = total.get(n, 0) + p.grad
+        mean = sum(1e-3 * (r + 1) for r in range(world)) / world
+        worst = 0.0
+        for n, s in total.items():
+            exact = torch.full_like(s, steps * mean)
+            exact.view(-1)[0] = steps * 1.0
+            worst = max(worst, float((s - exact).abs().max()))
+        errors[feedback] = worst
+        sdp.remove_hooks()
+    # each rank's residual is at most half a step of a block topped by 1/W: 1/(254 W), W of them
+    one_rounding = 1.0 / 254
+    assert errors[True] <= one_rounding
+    assert errors[False] > 5 * errors[True]
+    return errors
+
+
+def _refresh_and_fallbacks(rank: int, world: int) -> None:
+    """A rebuild keeps no residual of a bucket it no longer has; a too small message travels
+    exact (warned once, bit for bit the exact reduce) or raises."""
+    sdp = _wrap(LowBit(grads="int8", block_size=BLOCK, min_numel=0))
+    names = {p: n for n, p in sdp.module.named_parameters()}
+    _loss(sdp, _batch(rank, 0)).backward()
+    sdp.sharded_optimizers[0].step()
+    for p in sdp.module[0].parameters():
+        p.requires_grad_(False)
+    sdp.sharded_optimizers[0].zero_grad()
+    _loss(sdp, _batch(rank, 1)).backward()
+    keys = set(sdp._lowbit.wire.feedback.state_dict())
+    assert keys == {bucket_message_name(b, names) for b in sdp._router.buckets}
+    assert not any("0.weight" in k or "0.bias" in k for k in keys)
+    sdp.remove_hooks()
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("sharded.lowbit").addHandler(handler)
+    small, exact = _wrap(LowBit(grads="int8", min_numel=10**6)), _wrap(None)
+    for step in range(2):
+        for model in (small, exact):
+            model.sharded_optimizers[0].zero_grad()
+            _loss(model, _batch(rank, step)).backward()
+        for a, b in zip(small.module.parameters(), exact.module.parameters()):
+            assert (a.grad is None and b.grad is None) or torch.equal(a.grad, b.grad)
+        assert small.lowbit_traffic.sent == small.lowbit_traffic.exact
+    warned = [r for r in records if "sent exact" in r.getMessage()]
+    assert len(warned) == 1 and "below 1000000 elements" in warned[0].getMessage()
+    logging.getLogger("sharded.lowbit").removeHandler(handler)
+
+    strict = _wrap(LowBit(grads="int8", min_numel=10**6, fallback="raise"))
+    with pytest.raises(ValueError, match=rf"rank {rank}.*low-bit reduce cannot send reduce .*below 1000000"):
+        _loss(strict, _batch(rank, 0)).backward()
+
+
+def _refusals(rank: int, world: int) -> None:
+    from sharded.invariant import MicroBatches
+
+    with pytest.raises(ValueError, match=rf"rank {rank}.*params='int8'.*OSS\(\.\.\., lowbit=LowBit\(params"):
+        _wrap(LowBit(params="int8", grads="int8"))
+    with pytest.raises(ValueError, match=rf"rank {rank}.*reduce_fp16=True"):
+        _wrap(LowBit(grads="int8"), reduce_fp16=True)
+    with pytest.raises(ValueError, match="grads=None"):
+        _wrap(LowBit())
+    with pytest.raises(TypeError, match="sharded.LowBit"):
+        _wrap("int8")
+    sdp = _wrap(LowBit(grads="int4"))
+    with pytest.raises(ValueError, match=rf"rank {rank}.*under Join"):
+        sdp.join()
+    with pytest.raises(NotImplementedError, match="lowbit"):
+        MicroBatches(sdp, 6)
+
+
+def _behaviours(rank: int, world: int) -> dict:
+    _refusals(rank, world)
+    _no_sync_and_clip(rank, world)
+    _scaler(rank, world)
+    figures = {"shadow": _shadow(rank, world), "feedback": _feedback_keeps_the_sum(rank, world)}
+    _refresh_and_fallbacks(rank, world)  # last: its final backward raises
+    return figures
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_no_sync_clip_scaler_feedback_shadow_refresh_fallbacks_and_refusals(world):
+    figures = run_on_ranks(_behaviours, world)
+    print(f"world {world}: {figures}")
