@@ -26,7 +26,7 @@ from ._common.errors import on_rank
 from ._common.flat import DEFAULT_BUCKET_NUMEL
 from ._owners.compile_split import graph_splitter, split_bytes_for
 from ._owners.grad_router import BackwardStats, GradRouter
-from ._common.lowbit import LowBit, StepTraffic, feed_into
+from ._common.lowbit import ErrorFeedback, LowBit, StepTraffic, feed_into
 from ._owners.join_hooks import ModelJoinHook, before_forward_under_join
 from ._owners.lowbit_reduce import lowbit_buckets_for
 from ._owners.param_waits import ParamWaits
@@ -268,6 +268,14 @@ class ShardedDataParallel(nn.Module, Joinable):
         :meth:`reduce`) and what the exact reduces would have sent; ``None`` without ``lowbit``
         or before the first. On one rank nothing is reduced, so it stays ``None``."""
         return self._lowbit.last_traffic if self._lowbit is not None else None
+
+    @property
+    def lowbit_residuals(self) -> ErrorFeedback:
+        """This rank's error-feedback residuals, by bucket message (what ``sharded.checkpoint``
+        saves); raises without ``lowbit``."""
+        if self._lowbit is None:
+            raise ValueError(on_rank("ShardedDataParallel has no low-bit residuals without lowbit=LowBit(grads=...)", self.rank))
+        return self._lowbit.wire.feedback
 
     @property
     def backward_stats(self) -> Optional[BackwardStats]:

@@ -369,3 +369,60 @@ def _behaviours(rank: int, world: int) -> dict:
 def test_no_sync_clip_scaler_feedback_shadow_refresh_fallbacks_and_refusals(world):
     figures = run_on_ranks(_behaviours, world)
     print(f"world {world}: {figures}")
+
+
+def _train(sdp: ShardedDataParallel, rank: int, steps: range) -> None:
+    opt = sdp.sharded_optimizers[0]
+    for step in steps:
+        opt.zero_grad()
+        _loss(sdp, _batch(rank, step)).backward()
+        opt.step()
+
+
+def _resume(rank: int, world: int, directory: str) -> None:
+    """Residuals saved with sharded.checkpoint come back on the same rank: the resumed run's
+    parameters are the uninterrupted run's, bit for bit (without them they would differ)."""
+    from sharded import checkpoint
+
+    policy = LowBit(grads="int4", block_size=BLOCK, min_numel=0)
+    first = _wrap(policy)
+    _train(first, rank, range(2))
+    checkpoint.save(checkpoint.get_state_dict(first, first.sharded_optimizers[0]), f"{directory}/w{world}")
+    _train(first, rank, range(2, 4))
+    for keep_residuals in (True, False):
+        resumed = _wrap(policy)
+        state = checkpoint.get_state_dict(resumed, resumed.sharded_optimizers[0])
+        checkpoint.load(state, f"{directory}/w{world}")
+        if not keep_residuals:
+            state["lowbit"][f"world{world}_rank{rank}"].clear()
+        checkpoint.set_state_dict(resumed, resumed.sharded_optimizers[0], state)
+        assert len(resumed.lowbit_residuals) == (len(first.lowbit_residuals) if keep_residuals else 0)
+        _train(resumed, rank, range(2, 4))
+        same = all(torch.equal(a, b) for a, b in zip(first.module.parameters(), resumed.module.parameters()))
+        assert same == keep_residuals
+        resumed.remove_hooks()
+    dist.barrier()
+
+
+def _resume_elsewhere(rank: int, world: int, directory: str) -> None:
+    """At another world size the saved residuals are dropped, with a line saying how many."""
+    from sharded import checkpoint
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("sharded.lowbit").addHandler(handler)
+    sdp = _wrap(LowBit(grads="int4", block_size=BLOCK, min_numel=0))
+    state = checkpoint.get_state_dict(sdp, sdp.sharded_optimizers[0])
+    checkpoint.load(state, f"{directory}/w2")
+    checkpoint.set_state_dict(sdp, sdp.sharded_optimizers[0], state)
+    assert len(sdp.lowbit_residuals) == 0
+    (line,) = [r.getMessage() for r in records if "saved at world size 2" in r.getMessage()]
+    assert f"at world size {world} they do not apply" in line and "in all" in line
+    _train(sdp, rank, range(2, 3))
+    assert len(sdp.lowbit_residuals) > 0
+
+
+def test_residuals_survive_a_checkpoint_and_drop_at_another_world_size(tmp_path):
+    run_on_ranks(_resume, 2, str(tmp_path))
+    run_on_ranks(_resume_elsewhere, 3, str(tmp_path))
