@@ -172,6 +172,7 @@ def _parity(rank: int, world: int) -> dict:
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_owner_gradient_is_the_decoded_sum_within_the_codec_bounds(world):
     figures = run_on_ranks(_parity, world)
+    print(f"world {world}, bytes sent by each rank in one step (low-bit, exact): {figures}")
     if world > 1:
         sent = sum(f["int8"][0] for f in figures)
         exact = sum(f["int8"][1] for f in figures)
