@@ -10,6 +10,10 @@ of ``torch.cuda.amp.GradScaler`` (trainers annotate and check their scaler as th
 by default scales on CUDA and, where there is no CUDA, disables itself with torch's warning
 (``is_enabled()`` False, scale 1.0). Scaling fp16 gradients on the CPU is an explicit choice,
 ``device="cpu"``.
+
+With low-bit gradients (``ShardedDataParallel(lowbit=...)``) a skipped step also drops the
+error-feedback residuals of that step's messages, and a change of scale rescales them: they are
+added to the next step's scaled gradients.
 """
 
 from __future__ import annotations

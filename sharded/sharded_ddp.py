@@ -24,9 +24,9 @@ from ._common.broadcast import PendingBroadcasts, plan_broadcasts, start_broadca
 from ._common.checks import check_dense, check_no_sparse_grad_modules, check_same_across_ranks
 from ._common.errors import on_rank
 from ._common.flat import DEFAULT_BUCKET_NUMEL
+from ._common.lowbit import ErrorFeedback, LowBit, StepTraffic, feed_into
 from ._owners.compile_split import graph_splitter, split_bytes_for
 from ._owners.grad_router import BackwardStats, GradRouter
-from ._common.lowbit import ErrorFeedback, LowBit, StepTraffic, feed_into
 from ._owners.join_hooks import ModelJoinHook, before_forward_under_join
 from ._owners.lowbit_reduce import lowbit_buckets_for
 from ._owners.param_waits import ParamWaits
@@ -128,6 +128,11 @@ class ShardedDataParallel(nn.Module, Joinable):
         self.reduce_fp16 = reduce_fp16
         self.warn_on_trainable_params_changed = warn_on_trainable_params_changed
         self.static_graph = static_graph
+        self.lowbit = lowbit
+        self._lowbit = lowbit_buckets_for(lowbit, reduce_fp16, self.process_group, {p: n for n, p in module.named_parameters()})
+        if self._lowbit is not None:
+            for optimizer in self.sharded_optimizers:  # the scaler drops a skipped step's residuals
+                feed_into(optimizer, self._lowbit.wire.feedback)
         self._warned_trainability_change = False
         # bytes of parameters per graph when Dynamo compiles the module (see forward)
         self._split_bytes = split_bytes_for(reduce_buffer_size, list(module.parameters()))
@@ -144,11 +149,6 @@ class ShardedDataParallel(nn.Module, Joinable):
         )
         if sync_models_at_startup:
             self._start_broadcast_from(0, list(module.parameters()) + list(module.buffers())).wait()
-        self.lowbit = lowbit
-        self._lowbit = lowbit_buckets_for(lowbit, reduce_fp16, self.process_group, {p: n for n, p in module.named_parameters()})
-        if self._lowbit is not None:
-            for optimizer in self.sharded_optimizers:  # a skipped step drops its residuals
-                feed_into(optimizer, self._lowbit.wire.feedback)
         self._router = self._build_router()
         self._trainability = self._current_trainability()
         self._param_waits = ParamWaits(module, [o.broadcaster for o in self.sharded_optimizers]) if overlap_param_broadcast else None
@@ -317,7 +317,8 @@ class ShardedDataParallel(nn.Module, Joinable):
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """The hook ``Join`` runs on a rank out of data (see :meth:`join`); it reads
         ``divide_by_initial_world_size`` (default True) from the keyword arguments. Refused with
-        ``lowbit``: a joined rank's zeros would carry its residuals into the others' sums."""
+        ``lowbit`` (a joined rank's shadow reduces would send its residuals into the others'
+        sums; not supported)."""
         if self._lowbit is not None:
             raise ValueError(on_rank("ShardedDataParallel(lowbit=...) under Join: uneven inputs are not supported "
                                      "with low-bit gradients; pass lowbit=None or give every rank the same batches", self.rank))

@@ -444,6 +444,14 @@ def _resume(rank: int, world: int, directory: str) -> None:
         same = all(torch.equal(a, b) for a, b in zip(first.module.parameters(), resumed.module.parameters()))
         assert same == keep_residuals
         resumed.remove_hooks()
+    # a checkpoint saved without low-bit loads into a wrapper with it (no residual), and back
+    plain = _wrap(None)
+    checkpoint.save(checkpoint.get_state_dict(plain, plain.sharded_optimizers[0]), f"{directory}/plain")
+    for source, target in ((f"{directory}/plain", _wrap(policy)), (f"{directory}/w{world}", plain)):
+        state = checkpoint.get_state_dict(target, target.sharded_optimizers[0])
+        checkpoint.load(state, source)
+        checkpoint.set_state_dict(target, target.sharded_optimizers[0], state)
+        assert target.lowbit is None or len(target.lowbit_residuals) == 0
     dist.barrier()
 
 
