@@ -12,6 +12,8 @@ with its state (``state_dict`` below).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .codecs import Codec
@@ -24,6 +26,7 @@ class ErrorFeedback:
 
     def __init__(self) -> None:
         self._residuals: dict[str, torch.Tensor] = {}
+        self._non_finite: Optional[torch.Tensor] = None  # this step's: did any message arrive non-finite?
 
     def encode(self, key: str, x: torch.Tensor, codec: Codec, block_size: int) -> torch.Tensor:
         """``x`` plus its residual, encoded; the new residual is kept. A residual whose size no
@@ -42,6 +45,20 @@ class ErrorFeedback:
     def clear(self) -> None:
         """Forget every residual (after a skipped step the scaler discards, a load, a reset)."""
         self._residuals.clear()
+
+    def note_non_finite(self, found: torch.Tensor) -> None:
+        """A message of this step arrived holding an inf or NaN where ``found`` (a bool tensor,
+        left on its device: no host sync here). A stage calls it where every rank learns the same
+        (each rank received from every sender), so :meth:`end_step` agrees on all ranks."""
+        found = found.any()
+        self._non_finite = found if self._non_finite is None else self._non_finite | found
+
+    def end_step(self) -> None:
+        """Close the step: if a message arrived non-finite (a gradient scaler skips the step),
+        drop every residual, which now holds the rounding of gradients nobody applies."""
+        found, self._non_finite = self._non_finite, None
+        if found is not None and bool(found):
+            self.clear()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The residuals by message name, to save beside the wrapper's own state."""
