@@ -335,13 +335,17 @@ def _scaler_cases(rank, world):
 
 def _refusal_cases(rank, world):
     model = _shard(POLICY)
-    model.blocks[1].set_custom_reduce_scatter(object())
-    with pytest.raises(ValueError, match=f"rank {rank}: fully_shard\\(blocks.1\\): set_custom_reduce_scatter cannot be combined with lowbit="):
-        gpt_loss(model, token_batch(rank, 0)).backward()
-    model = _shard(POLICY)
-    model.set_separate_reduce_scatter_group(True)
-    with pytest.raises(ValueError, match=f"rank {rank}: fully_shard\\(blocks.1\\): set_separate_reduce_scatter_group cannot"):
-        gpt_loss(model, token_batch(rank, 0)).backward()
+    with pytest.raises(ValueError, match=f"rank {rank}: set_custom_reduce_scatter on fully_shard\\(Block\\): its lowbit="):
+        model.blocks[1].set_custom_reduce_scatter(object())
+    with pytest.raises(ValueError, match=f"rank {rank}: set_separate_reduce_scatter_group on fully_shard\\(GPT\\)"):
+        model.set_separate_reduce_scatter_group(True)
+    model.set_separate_reduce_scatter_group(False)
+    model.blocks[1].set_custom_reduce_scatter(None)
+    _steps(model, rank, 1)  # nothing was set
+    exact_grads = _shard(LowBit(params="int8"))  # with the gradients exact, both are allowed
+    exact_grads.blocks[1].set_custom_reduce_scatter(None)
+    exact_grads.set_separate_reduce_scatter_group(True)
+    _steps(exact_grads, rank, 1)
     dist.barrier()
 
 

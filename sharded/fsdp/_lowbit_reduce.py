@@ -41,7 +41,7 @@ from ._collectives import PendingReduceScatter, start_reduce_scatter
 from ._reduce_ops import DivisionPlan
 from ._settings import UnitSettings
 
-__all__ = ["GradientWire", "LowBitReduceScatter", "check_reduce_scope", "start_gradient_reduce_scatter"]
+__all__ = ["GradientWire", "LowBitReduceScatter", "refuse_with_low_bit_grads", "start_gradient_reduce_scatter"]
 
 COLLECTIVE = "reduce_scatter"
 
@@ -97,19 +97,13 @@ def _as_exact_would(total: torch.Tensor, sentinel: int, average_over: Optional[i
     return total.to(dtype)
 
 
-def check_reduce_scope(settings: UnitSettings, unit_name: str) -> None:
-    """Refuse what the low-bit reduce-scatter cannot honour, set after ``fully_shard``: a user's
-    reduce-scatter and a separate reduce-scatter group (the wire runs its own all-to-all on the
-    shard group)."""
-    refused = [why for why, asked in (
-        ("set_custom_reduce_scatter", settings.custom_reduce_scatter is not None),
-        ("set_separate_reduce_scatter_group", settings.reduce_scatter_group is not None),
-    ) if asked]
-    if refused:
+def refuse_with_low_bit_grads(what: str, settings: UnitSettings, unit_name: str) -> None:
+    """Refuse ``what`` (a user's reduce-scatter, a separate reduce-scatter group) for a unit
+    whose gradients go in fewer bits: the wire runs their all-to-all on the shard group."""
+    if settings.lowbit is not None and settings.lowbit.grads is not None:
         raise ValueError(on_rank(
-            f"fully_shard({unit_name}): {refused[0]} cannot be combined with lowbit={settings.lowbit!r}: its gradients "
-            "travel through the low-bit all-to-all on the shard group; apply fully_shard with LowBit(grads=None) "
-            f"to use {refused[0]}"
+            f"{what} on fully_shard({unit_name}): its lowbit={settings.lowbit!r} sends the gradients in low bits "
+            f"through its own all-to-all on the shard group; apply fully_shard with LowBit(grads=None) to use {what}"
         ))
 
 

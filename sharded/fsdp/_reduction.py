@@ -22,7 +22,7 @@ from torch.profiler import record_function
 from .._common import comm
 from ._collectives import PendingReduceScatter, ProfilerLabels, new_buffer, start_reduce_scatter
 from ._flat_buffers import GradientLayout, pack_gradients
-from ._lowbit_reduce import GradientWire, LowBitReduceScatter, check_reduce_scope, start_gradient_reduce_scatter
+from ._lowbit_reduce import GradientWire, LowBitReduceScatter, start_gradient_reduce_scatter
 from ._owned import OwnedReduction, start_owned_reduction
 from ._param import ShardedParam
 from ._placement.mesh import MeshInfo
@@ -178,8 +178,6 @@ class GradientReducer:
         Empties ``grads`` once packed: the full gradients are freed before the collectives run."""
         if self._settings.reduction_override is not None:
             return self._settings.reduction_override(params, grads)
-        if lowbit is not None and lowbit.sends_grads:
-            check_reduce_scope(self._settings, lowbit.unit_name)
         settings = self._reduce_settings(dtype)
         cut = [(sp, g) for sp, g in zip(params, grads) if sp.owner is None]
         owned = [(sp, g) for sp, g in zip(params, grads) if sp.owner is not None]
