@@ -7,11 +7,12 @@ decoding them itself, the gradient shards that must land in its ``.grad``: equal
 Against the exact run (the first step, same parameters) every element is within ``(1/W) * sum
 over senders of their error_bound`` (scaled as the division scales) and some element differs, so
 the low-bit path really ran. Divisions: AVG, ``set_gradient_divide_factor``,
-``set_force_sum_reduction_for_comms``, ``reduce_dtype=bfloat16``. Also: gradient accumulation
-(sent once, at the sync), error feedback over steps, the bytes, fallbacks warned once or raised,
-shadow checks, clipping, both gradient scalers skipping a step with an inf in one element (every
-rank drops its residuals), ``autograd.grad`` over inputs, the refusals, and the residuals through
-``sharded.checkpoint``.
+``set_force_sum_reduction_for_comms``, ``reduce_dtype=bfloat16``, and ``param_dtype=bfloat16``
+alone (torch 2.15 reduces in the fp32 masters' ``grad_dtype``, earlier torches in bf16). Also:
+gradient accumulation (sent once, at the sync), error feedback over steps, the bytes, fallbacks
+warned once or raised, shadow checks, clipping, both gradient scalers skipping a step with an inf
+in one element (every rank drops its residuals), ``autograd.grad`` over inputs, the refusals, and
+the residuals through ``sharded.checkpoint``.
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ def _shards(layout, row):
 
 def _finisher(case, world, dtype):
     def finish(row, exact_dtype=True):
-        if case in ("avg", "bf16"):
+        if case in ("avg", "bf16", "bf16_compute"):
             row = row / world
         out = row.to(dtype) if exact_dtype else row
         if case == "force_sum":
@@ -135,10 +136,15 @@ def _division_cases(rank, world):
     """Steps 0-2 per case: step 1 accumulates two micro-batches (sync off for the first)."""
     from sharded.fsdp import MixedPrecisionPolicy
 
+    from sharded.fsdp._grad_dtypes import grads_follow_grad_dtype
+
     results = {}
-    for case in ("avg", "factor", "force_sum", "bf16"):
-        mp = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16) if case == "bf16" else None
-        dtype = torch.bfloat16 if case == "bf16" else torch.float32
+    for case in ("avg", "factor", "force_sum", "bf16", "bf16_compute"):
+        mp = {"bf16": MixedPrecisionPolicy(reduce_dtype=torch.bfloat16),
+              "bf16_compute": MixedPrecisionPolicy(param_dtype=torch.bfloat16)}.get(case)
+        # reduce_dtype=None: torch 2.15's grad_dtype (the fp32 masters'), before it param_dtype
+        follows = case == "bf16_compute" and grads_follow_grad_dtype()
+        dtype = torch.bfloat16 if case.startswith("bf16") and not follows else torch.float32
         ours, ref = _shard(POLICY, mp), _shard(None, mp)
         for model in (ours, ref):
             _apply_case(model, case, world)
@@ -158,6 +164,7 @@ def _division_cases(rank, world):
             grads = {id(p): p.grad.to_local() for p in ours.parameters()}
             sent_bytes, exact_bytes = 0, 0
             for call in calls:
+                assert call["flat"].dtype == dtype
                 row, bound, exact, magnitude = _predict(call, rank, world, finish)
                 predicted = _shards(call["layout"], row)
                 for key, expected in predicted.items():
@@ -176,7 +183,7 @@ def _division_cases(rank, world):
             assert traffic.sent.get("all_gather") == traffic.exact.get("all_gather"), "parameters gathered exact"
             if step == 0:  # the same parameters: against the exact run's gradients
                 errors = _against_exact(ours, ref, calls, rank, world, finish, dtype)
-                results[case] = (max(errors), sent_bytes, exact_bytes)
+                results[case] = (max(errors), sent_bytes, exact_bytes, dtype.itemsize)
             for opt in (opt_ours, opt_ref):
                 opt.step()
                 opt.zero_grad()
@@ -206,9 +213,9 @@ def _against_exact(ours, ref, calls, rank, world, finish, dtype):
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_reduce_scatter_lands_the_decoded_sum_within_the_bound(world_size):
     results = run_on_ranks(_division_cases, world_size, timeout=240)
-    for case, (error, sent, exact) in results[0].items():
+    for case, (error, sent, exact, itemsize) in results[0].items():
         assert 0 < error < 0.05
-        ratio = 1.8 if case == "bf16" else 3.5  # bytes of an element: 4 (bf16: 2) against 1 + 4 / BLOCK
+        ratio = 3.5 if itemsize == 4 else 1.8  # bytes of an element: 4 (bf16: 2) against 1 + 4 / BLOCK
         assert world_size == 1 or sent < exact / ratio, f"{case}: {sent} bytes against {exact}"
 
 
