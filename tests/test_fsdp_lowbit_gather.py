@@ -154,10 +154,13 @@ def _full_params(unit, per_rank: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     """Each parameter of ``unit`` rebuilt from every rank's message (rows in rank order)."""
     fulls, offset = {}, 0
     for sp in unit.params:
-        width = sp.geometry.slot_numel
-        rows = torch.cat([flat[offset:offset + width] for flat in per_rank])
-        fulls[sp.fqn] = rows[: sp.geometry.numel].view(sp.geometry.shape)
-        offset += width
+        g = sp.geometry
+        slots = [flat[offset:offset + g.slot_numel] for flat in per_rank]
+        if g.dim == 0:
+            fulls[sp.fqn] = torch.cat(slots)[: g.numel].view(g.shape)
+        else:  # shard_placement_fn's Shard(d): equal chunks of dim d
+            fulls[sp.fqn] = torch.cat([slot.view(g.slot_shape) for slot in slots], dim=g.dim)
+        offset += g.slot_numel
     return fulls
 
 
@@ -189,12 +192,12 @@ def _predicted(model, codec, block: int, world: int):
     return decoded, exact, bound
 
 
-def _gather_contract(rank, world, policy, mp_policy):
+def _gather_contract(rank, world, policy, mp_policy, **placement):
     import torch.distributed as dist
 
     from sharded._common.lowbit import codec_for
 
-    kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
+    kwargs = dict(placement, **({} if mp_policy is None else {"mp_policy": mp_policy}))
     model, reference = _shard_gpt(policy, **kwargs), _shard_gpt(None, **kwargs)
     seen = _record_gathers(model)
     tokens = token_batch(rank, 0)
@@ -245,11 +248,16 @@ def _gather_contract(rank, world, policy, mp_policy):
 
 
 def _gather_cases(rank, world):
+    from torch.distributed.tensor import Shard
+
     from sharded.fsdp import MixedPrecisionPolicy
 
     _gather_contract(rank, world, LowBit(params="int8", block_size=64, min_numel=0), None)
     _gather_contract(rank, world, LowBit(params="fp8_e4m3", block_size=64, min_numel=0), MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     _gather_contract(rank, world, LowBit(params="int8", block_size=64, min_numel=0), MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    # matrices cut on dim 1 where it divides (at world 3 none does): the same flat message
+    _gather_contract(rank, world, LowBit(params="int8", block_size=64, min_numel=0), None,
+                     shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 and p.shape[1] % world == 0 else None)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
