@@ -11,12 +11,14 @@ the low-bit path really ran. Divisions: AVG, ``set_gradient_divide_factor``,
 alone (torch 2.15 reduces in the fp32 masters' ``grad_dtype``, earlier torches in bf16). Also:
 gradient accumulation (sent once, at the sync), error feedback over steps, the bytes, fallbacks
 warned once or raised, shadow checks, clipping, both gradient scalers skipping a step with an inf
-in one element (every rank drops its residuals), ``autograd.grad`` over inputs, the refusals, and
+in one element (every rank drops its residuals), ``error_feedback=False`` (no residual kept),
+``autograd.grad`` over inputs, the refusals, and
 the residuals through ``sharded.checkpoint``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -259,6 +261,19 @@ def _fallback_and_shadow_cases(rank, world):
     _steps(params_only, rank, 1)
     traffic = params_only.lowbit_traffic
     assert traffic.sent["reduce_scatter"] == traffic.exact["reduce_scatter"] and (traffic.exact["reduce_scatter"] > 0) == (world > 1)
+
+    # without error feedback: no residual kept, each step's rows rounded afresh
+    fresh = _shard(dataclasses.replace(POLICY, error_feedback=False))
+    recorder = Recorder(fresh)
+    for step in range(2):
+        gpt_loss(fresh, token_batch(rank, step)).backward()
+        grads = {id(p): p.grad.to_local() for p in fresh.parameters()}
+        for call in recorder.take():
+            assert call["residuals"] == {}
+            row = _predict(call, rank, world, _finisher("avg", world, torch.float32))[0]
+            assert all(torch.equal(grads[key], expected) for key, expected in _shards(call["layout"], row).items())
+        fresh.zero_grad()
+    assert len(_wire(fresh).feedback) == 0
 
     # shadow checks every 2 steps: the relative error of what each rank received
     checks = []
