@@ -12,8 +12,7 @@ alone (torch 2.15 reduces in the fp32 masters' ``grad_dtype``, earlier torches i
 gradient accumulation (sent once, at the sync), error feedback over steps, the bytes, fallbacks
 warned once or raised, shadow checks, clipping, both gradient scalers skipping a step with an inf
 in one element (every rank drops its residuals), ``error_feedback=False`` (no residual kept),
-``autograd.grad`` over inputs, the refusals, and
-the residuals through ``sharded.checkpoint``.
+``autograd.grad`` over inputs, the refusals, and the residuals through ``sharded.checkpoint``.
 """
 
 from __future__ import annotations
