@@ -72,6 +72,8 @@ def _fully_shard_store(module: nn.Module) -> Optional[tuple[_Residuals, int, int
     if unit_module is None or lowbit_module is None:  # layer 3 never imported: no such model
         return None
     units = unit_module.units_under(module)
+    if all(unit.lowbit_wire is None for unit in units):
+        return None
     paths = {id(m): path for path, m in module.named_modules()}
     for unit in units:
         unit.name_by_paths([paths.get(id(m), "") for m in unit.modules])
