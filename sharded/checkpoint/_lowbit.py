@@ -6,18 +6,25 @@ under ``lowbit.world{W}_rank{r}`` and loaded back by rank ``r`` of a run at the 
 only, so a resumed run sends the bits the uninterrupted one would have. At another world size the
 gradients split otherwise and no rank's residual fits: they are dropped with a log line saying
 how many, and every message starts without one (the rounding of one step is lost, no more).
+
+Two wrappers keep residuals: ``ShardedDataParallel`` (one store, keyed by bucket) and a
+``fully_shard`` model (one store per wire its units share, keyed ``<unit's module path>[r]``:
+:class:`_UnitResiduals` gathers them under the same entry).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping, Optional
+import sys
+from typing import Any, Mapping, Optional, Protocol, Union
 
+import torch
 from torch import nn
 
 from .._common.errors import on_rank
 from .._common.lowbit import ErrorFeedback
 from ..sharded_ddp import ShardedDataParallel
+from ._names import unwrap
 from ._paths import LoadIfSaved
 
 __all__ = ["lowbit_entry", "set_lowbit_entry"]
@@ -25,11 +32,61 @@ __all__ = ["lowbit_entry", "set_lowbit_entry"]
 log = logging.getLogger("sharded.lowbit")
 
 
-def _residual_store(model: nn.Module) -> Optional[tuple[ErrorFeedback, int, int]]:
+class _Residuals(Protocol):
+    def __len__(self) -> int: ...
+    def state_dict(self) -> dict[str, torch.Tensor]: ...
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
+
+
+class _UnitResiduals:
+    """A ``fully_shard`` model's residuals, over the wires its units share (one per policy):
+    saved together; loaded back each into the wire of the unit it belongs to."""
+
+    def __init__(self, wires: list[tuple[Any, set[str]]]) -> None:
+        self._wires = wires  # (wire, the names of the units sending through it)
+
+    def __len__(self) -> int:
+        return sum(len(wire.feedback) for wire, _ in self._wires)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {name: value for wire, _ in self._wires for name, value in wire.feedback.state_dict().items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for wire, units in self._wires:
+            wire.feedback.load_state_dict({key: value for key, value in state.items() if key.rpartition("[")[0] in units})
+
+
+def _residual_store(model: nn.Module) -> Optional[tuple[Union[ErrorFeedback, _Residuals], int, int]]:
     """The wrapper's residuals, its world size and its rank; ``None`` where it keeps none."""
     if isinstance(model, ShardedDataParallel) and model.lowbit is not None and model.lowbit.error_feedback:
         return model.lowbit_residuals, model.world_size, model.rank
-    return None
+    return _fully_shard_store(unwrap(model))
+
+
+def _fully_shard_store(module: nn.Module) -> Optional[tuple[_Residuals, int, int]]:
+    """The residuals of ``module``'s units that reduce-scatter their gradients in low bits with
+    error feedback (``None`` if none do). The units are named by their paths and share their
+    wires now, as their root does at its first forward, so that residuals loaded before it land
+    in the wire each unit will send through, under the name it will send as."""
+    unit_module, lowbit_module = sys.modules.get("sharded.fsdp._unit"), sys.modules.get("sharded.fsdp._lowbit")
+    if unit_module is None or lowbit_module is None:  # layer 3 never imported: no such model
+        return None
+    units = unit_module.units_under(module)
+    if all(unit.lowbit_wire is None for unit in units):
+        return None
+    paths = {id(m): path for path, m in module.named_modules()}
+    for unit in units:
+        unit.name_by_paths([paths.get(id(m), "") for m in unit.modules])
+    lowbit_module.share_wires(units)
+    wires: dict[int, tuple[Any, set[str]]] = {}
+    for unit in units:
+        wire = unit.lowbit_wire
+        if wire is not None and wire.policy.grads is not None and wire.policy.error_feedback:
+            wires.setdefault(id(wire), (wire, set()))[1].add(unit.module_name)
+    if not wires:
+        return None
+    first = next(iter(wires.values()))[0]
+    return _UnitResiduals(list(wires.values())), first.world, first.rank
 
 
 def lowbit_entry(model: nn.Module) -> Optional[dict[str, Any]]:

@@ -26,6 +26,7 @@ from .._common.lowbit import StepTraffic
 from ._finalization import GradientReductionHandle
 from ._grad_dtypes import restore_grad_dtype, saved_grad_dtype
 from ._lowbit import traffic_of
+from ._lowbit_reduce import refuse_with_low_bit_grads
 from ._state import state_of
 from ._unit import Unit, unit_of, units_under
 
@@ -283,8 +284,12 @@ class FSDPModule(TorchFSDPModule):
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
         """Reduce-scatter over a process group of its own (same ranks as the shard group), so it
-        can overlap all-gathers on the wire. Collective over the shard ranks, like torch's."""
+        can overlap all-gathers on the wire. Collective over the shard ranks, like torch's.
+        Refused for a unit whose ``lowbit`` policy sends its gradients in fewer bits."""
         created: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for unit in self._fsdp_units(recurse):
+            if enable:
+                refuse_with_low_bit_grads("set_separate_reduce_scatter_group", unit.settings, unit.module_name)
         for unit in self._fsdp_units(recurse):
             if not enable:
                 unit.settings.reduce_scatter_group = None
@@ -324,9 +329,13 @@ class FSDPModule(TorchFSDPModule):
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
         """Reduce-scatter this unit's gradients with ``comm`` (a
-        ``torch.distributed.fsdp.ReduceScatter``)."""
-        _refuse_for_owned([self._fsdp_unit()], "set_custom_reduce_scatter")
-        self._fsdp_unit().settings.custom_reduce_scatter = comm
+        ``torch.distributed.fsdp.ReduceScatter``). Refused for a unit whose ``lowbit`` policy
+        sends its gradients in fewer bits (the wire runs that reduce-scatter)."""
+        unit = self._fsdp_unit()
+        _refuse_for_owned([unit], "set_custom_reduce_scatter")
+        if comm is not None:
+            refuse_with_low_bit_grads("set_custom_reduce_scatter", unit.settings, unit.module_name)
+        unit.settings.custom_reduce_scatter = comm
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """``False`` is what sharded always does; ``True`` raises."""

@@ -30,6 +30,7 @@ from ._gather_kinds import gathers_for
 from ._grad_dtypes import accumulation_dtype, grads_follow_grad_dtype, reduce_dtype_for
 from ._hooks import BackwardTracker, cast_floats
 from ._lowbit import new_wire
+from ._lowbit_reduce import GradientWire
 from ._param import ShardedParam
 from ._placement.mesh import MeshInfo
 from ._placement.secondary_shard import SecondaryShardGroup
@@ -340,7 +341,11 @@ class Unit:
         if not sending:
             return None
         dtype = self.reduce_dtype_for(trainable, grads)
-        return lambda: self.reducer.start(trainable, grads, dtype, self.labels)
+        return lambda: self.reducer.start(trainable, grads, dtype, self.labels, self._gradient_wire())
+
+    def _gradient_wire(self) -> Optional[GradientWire]:
+        """The low-bit wire the gradients go through, named for their residuals by the unit's path."""
+        return GradientWire(self.lowbit_wire, self.module_name) if self.lowbit_wire is not None else None
 
     def _check_unused_can_land(self, trainable: list[ShardedParam]) -> None:
         """``set_reduce_scatter_unused_params(True)`` sends zeros for a parameter without a
