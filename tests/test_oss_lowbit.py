@@ -18,7 +18,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from sharded import OSS, LowBit, ZeroRedundancyOptimizer, checkpoint
+from torch.distributed.algorithms.join import Join
+
+from sharded import OSS, LowBit, ShardedDataParallel, ShardedGradScaler, ZeroRedundancyOptimizer, checkpoint
 from sharded._common.lowbit import codec_for
 from sharded.invariant import MicroBatches
 from tests._device import DEVICE_AGNOSTIC
@@ -247,3 +249,49 @@ def _resume_bit_for_bit(rank, world, root):
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_checkpoint_resumes_replicas_and_masters_bit_for_bit(world_size, tmp_path):
     run_on_ranks(_resume_bit_for_bit, world_size, str(tmp_path))
+
+
+def _zero2_accumulation_scaler_and_join(rank, world):
+    """Beside ShardedDataParallel: gradient accumulation under ``no_sync``, the broadcasts' waits
+    deferred to the next forward (the same bits as waiting at the step), a step the scaler skips
+    (nothing sent, nothing changed), and Join with uneven inputs (replicas agree)."""
+    runs = {}
+    for deferred in (False, True):
+        model = gpt()
+        optimizer = OSS(model.parameters(), torch.optim.AdamW, lr=1e-2, lowbit=LowBit(params="int8", block_size=BLOCK))
+        sdp = ShardedDataParallel(model, optimizer, overlap_param_broadcast=deferred)
+        scaler = ShardedGradScaler(init_scale=2.0**8, device="cpu")
+        for step in range(3):
+            optimizer.zero_grad()
+            with sdp.no_sync():
+                scaler.scale(gpt_loss(sdp, token_batch(rank, 10 + step))).backward()
+            scaler.scale(gpt_loss(sdp, token_batch(rank, step))).backward()
+            if step == 1:  # an overflow in one rank's gradient: every rank skips the step
+                if rank == world - 1:
+                    next(p for p in model.parameters() if p.grad is not None).grad.view(-1)[0] = float("inf")
+            before = [p.detach().clone() for p in model.parameters()]
+            old = {p: p.detach().clone() for p in model.parameters()}
+            scaler.step(optimizer)
+            scaler.update()
+            sdp.wait_for_params()
+            if step == 1:
+                assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "a skipped step moved"
+                assert optimizer.lowbit_traffic.step == 0, "a skipped step sent parameters"
+            else:
+                assert _check_one_step(optimizer, codec_for("int8"), old) > 0
+        assert_same_on_all_ranks(list(model.parameters()), f"ZeRO-2 replicas, deferred={deferred}")
+        runs[deferred] = [p.detach().clone() for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(runs[False], runs[True])), "deferred waits changed the values"
+
+    model = gpt()
+    optimizer = OSS(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9, lowbit=LowBit(params="int8", block_size=BLOCK))
+    ddp = DDP(model)
+    with Join([ddp, optimizer]):
+        for step in range(2 + rank):  # the ranks run out of data one after another
+            _step(ddp, optimizer, rank, step)
+    assert_same_on_all_ranks(list(model.parameters()), "replicas after Join")
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_zero2_accumulation_deferred_waits_scaler_skip_and_join(world_size):
+    run_on_ranks(_zero2_accumulation_scaler_and_join, world_size)
