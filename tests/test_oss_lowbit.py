@@ -7,6 +7,12 @@ bucket or a replica that drifts from what was sent fails ``torch.equal``), hence
 ``error_bound(master - old replica)`` of the owner's exact master plus one float32 rounding of
 the sum. The masters follow the exact run (DDP + exact ``OSS``) closely and the error is > 0, so
 the low-bit path really ran. Bytes are counted exactly against the codec's message sizes.
+
+Also: shadow checks measured against the masters gathered here, fallbacks warned once or
+raised, refusals naming the field and the rank, a resume (sharded checkpoint, or torch's state
+dicts) giving the continued run's bits, masters following their parameters to new owners (a
+new partition, another world size), and ZeRO-2 beside it: no_sync accumulation, deferred waits,
+a step ``ShardedGradScaler`` skips, Join with uneven inputs.
 """
 
 from __future__ import annotations
@@ -141,6 +147,15 @@ def _shadow_fallbacks_and_zero_redundancy_optimizer(rank, world):
             assert 0 < check.relative_error < 0.02
             assert check.divergence == pytest.approx(divergence, rel=1e-3)
     assert [c.step for c in checks] == [0, 2]
+
+    # a new partition (one parameter frozen): the masters move with their optimizer state
+    before = _all_masters(low, model)
+    frozen = next(iter(model.parameters()))
+    frozen.requires_grad_(False)
+    low.refresh_trainable()
+    after = _all_masters(low, model)
+    assert all(torch.equal(a, b) for a, b, p in zip(after, before, model.parameters()) if p is not frozen)
+    assert any(not torch.equal(a, p) for a, p in zip(after, model.parameters()))  # masters kept, not reset
 
     # a bucket below min_numel travels exact, with a warning after the first step only; "raise" refuses it
     records = []
@@ -295,3 +310,29 @@ def _zero2_accumulation_scaler_and_join(rank, world):
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_zero2_accumulation_deferred_waits_scaler_skip_and_join(world_size):
     run_on_ranks(_zero2_accumulation_scaler_and_join, world_size)
+
+
+def _save_at(rank, world, root):
+    model, optimizer, ddp = _build()
+    for step in range(2):
+        _step(ddp, optimizer, rank, step)
+    checkpoint.save(checkpoint.get_state_dict(model, optimizer), f"{root}/step-2")
+    masters = _all_masters(optimizer, model)
+    if rank == 0:
+        torch.save({"masters": masters, "replicas": [p.detach() for p in model.parameters()]}, f"{root}/expected.pt")
+
+
+def _load_at(rank, world, root):
+    model, optimizer, _ = _build()
+    state = checkpoint.get_state_dict(model, optimizer)
+    checkpoint.load(state, f"{root}/step-2")
+    checkpoint.set_state_dict(model, optimizer, state)
+    expected = torch.load(f"{root}/expected.pt")
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), expected["replicas"]))
+    assert all(torch.equal(a, b) for a, b in zip(_all_masters(optimizer, model), expected["masters"]))
+    assert any(not torch.equal(a, b) for a, b in zip(expected["masters"], expected["replicas"]))
+
+
+def test_masters_follow_their_parameters_to_new_owners_at_another_world_size(tmp_path):
+    run_on_ranks(_save_at, 3, str(tmp_path))
+    run_on_ranks(_load_at, 2, str(tmp_path))
