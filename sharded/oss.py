@@ -527,7 +527,7 @@ class OSS(Optimizer, Joinable):
 
     def _adopt_master(self, param: torch.Tensor, master: torch.Tensor) -> None:
         if self._lowbit is not None:
-            self._lowbit.masters[param] = master
+            self._lowbit.adopt(param, master)
         elif not getattr(self, "_warned_masters_dropped", False):
             self._warned_masters_dropped = True
             logger.warning("%s", on_rank(

@@ -204,6 +204,21 @@ def _refusals(rank, world):
     with pytest.raises(ValueError, match=rf"rank {rank}.*broadcast_fp16"):
         low.broadcast_fp16 = True
     assert not low.broadcast_fp16 and OSS(params, torch.optim.SGD, lr=0.1).lowbit_traffic is None
+    # a model loaded between steps: its values stand, the owners' stale masters are dropped (loudly)
+    model = gpt()
+    optimizer = OSS(model.parameters(), torch.optim.SGD, lr=0.1, lowbit=LowBit(params="int8", block_size=BLOCK))
+    ddp = DDP(model, find_unused_parameters=True)  # no re-bucketing: the same sums as the fresh DDP below
+    for step in range(2):
+        _step(ddp, optimizer, rank, step)
+    model.load_state_dict(gpt(seed=1).state_dict())
+    with _warnings_of("sharded._owners.lowbit_params") as warned:
+        _step(ddp, optimizer, rank, 2)
+    reference = gpt(seed=1)
+    ref_optimizer = OSS(reference.parameters(), torch.optim.SGD, lr=0.1, lowbit=LowBit(params="int8", block_size=BLOCK))
+    _step(DDP(reference, find_unused_parameters=True), ref_optimizer, rank, 2)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+    assert len(warned) == 1 and "written outside the optimizer" in warned[0]
+
     if world in (1, 2):  # MicroBatches needs a power-of-two world
         model = gpt()
         optimizer = OSS(model.parameters(), torch.optim.SGD, lr=0.1, lowbit=LowBit(params="int8"))
@@ -301,10 +316,30 @@ def _zero2_accumulation_scaler_and_join(rank, world):
     model = gpt()
     optimizer = OSS(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9, lowbit=LowBit(params="int8", block_size=BLOCK))
     ddp = DDP(model)
-    with Join([ddp, optimizer]):
-        for step in range(2 + rank):  # the ranks run out of data one after another
-            _step(ddp, optimizer, rank, step)
-    assert_same_on_all_ranks(list(model.parameters()), "replicas after Join")
+    with _warnings_of("sharded._owners.lowbit_params") as warned:
+        with Join([ddp, optimizer]):
+            for step in range(2 + rank):  # the ranks run out of data one after another
+                _step(ddp, optimizer, rank, step)
+        assert_same_on_all_ranks(list(model.parameters()), "replicas after Join")
+        masters = dict(_masters(optimizer))
+        _step(ddp, optimizer, rank, 9)  # DDP's final sync wrote the same values: the masters stand
+    assert not warned and masters, warned
+
+
+class _warnings_of:
+    """Collects the messages logged on ``name`` inside the block."""
+
+    def __init__(self, name):
+        self.logger, self.messages = logging.getLogger(name), []
+        self.handler = logging.Handler()
+        self.handler.emit = lambda record: self.messages.append(record.getMessage())
+
+    def __enter__(self):
+        self.logger.addHandler(self.handler)
+        return self.messages
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self.handler)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)

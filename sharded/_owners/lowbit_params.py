@@ -16,10 +16,17 @@ A bucket the format cannot take (``LowBit.min_numel``) travels exact, as the pla
 does, and its parameters' replicas then equal their masters (the masters are dropped). At one
 rank the change still goes through the codec, so a run at one rank computes with the same kind
 of values as at ``W``; nothing is sent. Frozen parameters stepped by their owner travel exact.
+
+A master stands for its replica only while nothing else writes the parameter: after
+``model.load_state_dict(...)`` or any other write between two steps the value written is the
+truth, so the owner drops that master (with a warning) instead of stepping a stale one. A write
+is seen by the parameter's version counter and storage, confirmed by a float64 checksum of its
+values (a write of the same values, as DDP's final sync under ``Join``, keeps the master).
 """
 
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
 from typing import Callable, Iterator, Optional, Sequence
 
@@ -31,6 +38,8 @@ from .._common.errors import on_rank
 from .._common.lowbit import LowBit, LowBitWire, StepTraffic
 
 __all__ = ["LowBitParams", "PendingChanges", "MASTER_KEY", "refuse_unsupported"]
+
+logger = logging.getLogger(__name__)
 
 # The per-parameter optimizer-state entry a master travels under (state dicts, checkpoints,
 # a change of owner): it is the owner's state, as the optimizer's moments are.
@@ -75,6 +84,8 @@ class LowBitParams:
         self.group = group
         self.masters: dict[torch.Tensor, torch.Tensor] = {}  # owned parameter -> its exact value
         self._replicas: dict[torch.Tensor, torch.Tensor] = {}  # owned parameter -> replica before the step
+        self._written: dict[torch.Tensor, _Stamp] = {}  # owned parameter -> how its replica was left
+        self._warned_overwritten = False
 
     @property
     def rank(self) -> int:
@@ -90,6 +101,7 @@ class LowBitParams:
         their replicas are kept aside for :meth:`start`. If the step raises, the replicas are put
         back and the masters are left as they were."""
         owned = [p for bucket in buckets if bucket.src == self.rank for p in bucket.tensors]
+        self._drop_overwritten([p for p in owned if p in self.masters])
         replicas = {p: p.detach().clone() for p in owned}
         with torch.no_grad():
             for p in owned:
@@ -105,11 +117,32 @@ class LowBitParams:
             raise
         self._replicas = replicas
 
+    def adopt(self, param: torch.Tensor, master: torch.Tensor) -> None:
+        """Take ``master`` (loaded, or moved here with its optimizer state) for ``param``, whose
+        value now is its replica."""
+        self.masters[param] = master
+        self._written[param] = _Stamp.of(param)
+
     def keep_only(self, params: Sequence[torch.Tensor]) -> None:
         """Forget the masters of parameters this rank no longer sends (after a new partition:
         those that moved have taken theirs along with their optimizer state)."""
         kept = {id(p) for p in params}
         self.masters = {p: m for p, m in self.masters.items() if id(p) in kept}
+        self._written = {p: w for p, w in self._written.items() if id(p) in kept}
+
+    def _drop_overwritten(self, params: Sequence[torch.Tensor]) -> None:
+        """Drop the masters of parameters written since their replica was left (all checked
+        before any is written: bucket views share one version counter)."""
+        overwritten = [p for p in params if p not in self._written or self._written[p].differs(p)]
+        for p in overwritten:
+            del self.masters[p]
+            self._written.pop(p, None)
+        if overwritten and not self._warned_overwritten:
+            self._warned_overwritten = True
+            logger.warning("%s", on_rank(
+                f"OSS(lowbit): {len(overwritten)} parameters were written outside the optimizer since its last "
+                "step (a model.load_state_dict?); their values now stand as their exact masters. Load a model "
+                "before its optimizer's state dict, which holds the masters", self.rank))
 
     def start(self, buckets: Sequence[Bucket], frozen: Sequence[Bucket]) -> PendingChanges:
         """Start every bucket's broadcast (``buckets`` in low bits where the policy can, the
@@ -145,6 +178,9 @@ class LowBitParams:
             decoded = pending.wait()
             assert decoded is not None  # a broadcast delivers to every rank
             _add_into(bucket.tensors, bases, decoded)
+            if sending:
+                for p in bucket.tensors:
+                    self._written[p] = _Stamp.of(p)
 
         return finish
 
@@ -155,6 +191,7 @@ class LowBitParams:
         if sending:
             for p in bucket.tensors:
                 self.masters.pop(p, None)
+                self._written.pop(p, None)
         world = comm.group_size(self.group)
         self.wire.count_exact("broadcast", bucket.numel, bucket.tensors[0].dtype, world - 1 if sending else 0)
         return start_broadcasts([bucket], self.group).wait
@@ -168,6 +205,28 @@ class LowBitParams:
                 self.masters[p] = p.detach().clone()
             else:
                 master.copy_(p.detach())
+
+
+class _Stamp:
+    """How a replica was left: its version counter and storage, and a float64 checksum that
+    tells a write of other values from one of the same values."""
+
+    def __init__(self, version: int, data_ptr: int, checksum: torch.Tensor) -> None:
+        self.version, self.data_ptr, self.checksum = version, data_ptr, checksum
+
+    @classmethod
+    def of(cls, param: torch.Tensor) -> "_Stamp":
+        return cls(param._version, param.data_ptr(), _checksum(param))
+
+    def differs(self, param: torch.Tensor) -> bool:
+        if param._version == self.version and param.data_ptr() == self.data_ptr:
+            return False
+        return not torch.equal(_checksum(param), self.checksum)
+
+
+def _checksum(param: torch.Tensor) -> torch.Tensor:
+    values = param.detach()
+    return torch.stack((values.sum(dtype=torch.float64), values.abs().sum(dtype=torch.float64)))
 
 
 def _add_into(params: Sequence[torch.Tensor], bases: Sequence[torch.Tensor], change: torch.Tensor) -> None:
