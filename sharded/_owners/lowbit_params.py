@@ -63,7 +63,7 @@ class PendingChanges:
     def wait(self) -> None:
         self.wait_for(range(len(self._finishes)))
 
-    def wait_for(self, positions: Sequence[int] | range) -> None:
+    def wait_for(self, positions: Sequence[int]) -> None:
         for i in positions:
             finish = self._finishes[i]
             if finish is None:
@@ -149,7 +149,7 @@ class LowBitParams:
         stepped ``frozen`` ones exact). Collective; the same buckets on every rank."""
         replicas, self._replicas = self._replicas, {}
         finishes = [self._send(i, bucket, replicas) for i, bucket in enumerate(buckets)]
-        finishes += [self._send_exact(bucket, replicas) for bucket in frozen]
+        finishes += [self._send_exact(bucket) for bucket in frozen]
         return PendingChanges(finishes, self._end_step)
 
     def _end_step(self) -> None:
@@ -161,7 +161,7 @@ class LowBitParams:
         probe = torch.empty(numel, dtype=dtype, device="meta")
         codec = self.wire.codec("params", "broadcast", name, probe)
         if codec is None:
-            return self._send_exact(bucket, replicas)
+            return self._send_exact(bucket)
         sending = bucket.src == self.rank
         device = bucket.tensors[0].device
         if sending:
@@ -184,7 +184,7 @@ class LowBitParams:
 
         return finish
 
-    def _send_exact(self, bucket: Bucket, replicas: dict[torch.Tensor, torch.Tensor]) -> Callable[[], None]:
+    def _send_exact(self, bucket: Bucket) -> Callable[[], None]:
         """A bucket that travels exact, as without ``lowbit``: its owner's parameters hold their
         new masters, which every replica then equals."""
         sending = bucket.src == self.rank
