@@ -313,6 +313,20 @@ def _zero2_accumulation_scaler_and_join(rank, world):
         runs[deferred] = [p.detach().clone() for p in model.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(runs[False], runs[True])), "deferred waits changed the values"
 
+    # both directions in fewer bits: ZeRO-2's gradient reduce (its own wire) and OSS's broadcast
+    model = gpt()
+    optimizer = OSS(model.parameters(), torch.optim.AdamW, lr=1e-2, lowbit=LowBit(params="int8", block_size=BLOCK))
+    sdp = ShardedDataParallel(model, optimizer, lowbit=LowBit(grads="int8", block_size=BLOCK))
+    for step in range(2):
+        optimizer.zero_grad()
+        gpt_loss(sdp, token_batch(rank, step)).backward()
+        old = {p: p.detach().clone() for p in model.parameters()}
+        optimizer.step()
+        assert _check_one_step(optimizer, codec_for("int8"), old) > 0
+    assert_same_on_all_ranks(list(model.parameters()), "ZeRO-2 low-bit gradients, low-bit parameters")
+    assert optimizer.lowbit_traffic.step == 1 and set(optimizer.lowbit_traffic.sent) == {"broadcast"}
+    assert world == 1 or set(sdp.lowbit_traffic.sent) == {"reduce"}
+
     model = gpt()
     optimizer = OSS(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9, lowbit=LowBit(params="int8", block_size=BLOCK))
     ddp = DDP(model)
