@@ -15,6 +15,8 @@
   given back), :mod:`.grad_checks` (gradients no bucket can carry), :mod:`.backward_stats`.
 - :mod:`.broadcaster`: after a step, the owners' broadcasts of the updated parameters (their
   buckets, the parameters living in them, and the waits).
+- :mod:`.lowbit_params`: those broadcasts in fewer bits (``OSS(lowbit=)``): the owners' exact
+  masters, and each bucket's change from the replica sent encoded.
 - :mod:`.param_waits`: hooks that wait for an updated parameter's broadcast just before use.
 - :mod:`.compile_split`: splitting a compiled graph where a reduce bucket ends.
 - :mod:`.torch_clip`: torch's ``clip_grad_norm_`` over a ``ShardedDataParallel``'s parameters
