@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .._common.errors import on_rank
+from .._common.lowbit import LowBit
 from .policies import BackwardPrefetch, CPUOffloadPolicy, MixedPrecisionPolicy
 from .wrap import WrapPolicy, as_wrap_policy
 
@@ -95,6 +96,7 @@ class FSDP1Options:
         sync_module_states: whether every rank starts from rank 0's parameters and buffers.
         shard_placement_fn: ``fully_shard``'s, for every unit: how each parameter is placed
             (``None`` / ``Shard(dim)`` / ``sharded.fsdp.Owned()``); ``None``: all cut on dim 0.
+        lowbit: ``fully_shard``'s, for every unit: what the unit's collectives send in fewer bits.
     """
 
     strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
@@ -109,6 +111,7 @@ class FSDP1Options:
     param_init_fn: Optional[Callable[[nn.Module], None]] = None
     sync_module_states: bool = False
     shard_placement_fn: Optional[Callable[[nn.Parameter], Any]] = None
+    lowbit: Optional[LowBit] = None
 
     @property
     def hybrid(self) -> bool:
@@ -162,6 +165,7 @@ def fsdp1_options(
     compute_dtype: Optional[torch.dtype] = None,
     fp32_reduce_scatter: bool = False,
     shard_placement_fn: Optional[Callable[[nn.Parameter], Any]] = None,
+    lowbit: Optional[LowBit] = None,
 ) -> FSDP1Options:
     """One :class:`FSDP1Options` from ``FullyShardedDataParallel``'s arguments in any dialect.
 
@@ -189,6 +193,7 @@ def fsdp1_options(
         param_init_fn=param_init_fn,
         sync_module_states=sync_module_states,
         shard_placement_fn=shard_placement_fn,
+        lowbit=lowbit,
     )
 
 

@@ -159,6 +159,7 @@ class FullyShardedDataParallel(nn.Module):
             compute_dtype=compute_dtype,
             fp32_reduce_scatter=fp32_reduce_scatter,
             shard_placement_fn=shard_placement_fn,
+            lowbit=lowbit,
         )
         mesh = _mesh_for(options)
         device = options.device if options.device is not None else MeshInfo(mesh).device
@@ -166,7 +167,7 @@ class FullyShardedDataParallel(nn.Module):
             module.to(device)
         if options.buffer_dtype is not None:
             _cast_buffers(module, options.buffer_dtype)
-        _shard_units(module, options, mesh, device, lowbit)
+        _shard_units(module, options, mesh, device)
         self.module = module
         self.sharding_strategy = options.strategy
         self.register_load_state_dict_pre_hook(_restore_wrapper_prefix)
@@ -295,7 +296,7 @@ def _ranks_per_node() -> int:
     raise ValueError(on_rank("hybrid sharding: pass device_mesh or process_group=(shard, replicate), or run under torchrun (LOCAL_WORLD_SIZE)"))
 
 
-def _shard_units(module: nn.Module, options: FSDP1Options, mesh: DeviceMesh, device: torch.device, lowbit: Optional[LowBit]) -> None:
+def _shard_units(module: nn.Module, options: FSDP1Options, mesh: DeviceMesh, device: torch.device) -> None:
     """``fully_shard`` the submodules the wrap policy picks, children first, then ``module`` as
     the root unit for the rest; each unit is materialised (and synced from rank 0) just before."""
     ignored = frozenset(id(p) for m in options.ignored_modules for p in m.parameters())
@@ -312,7 +313,7 @@ def _shard_units(module: nn.Module, options: FSDP1Options, mesh: DeviceMesh, dev
             offload_policy=options.offload_policy,
             ignored_params=_own(sub, ignored),
             shard_placement_fn=options.shard_placement_fn,
-            lowbit=lowbit,
+            lowbit=options.lowbit,
         )
     for unit in units_under(module):
         unit.settings.backward_prefetch_timing = options.backward_prefetch
