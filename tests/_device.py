@@ -86,7 +86,12 @@ _GUARDED = ("send", "recv", "isend", "irecv", "batch_isend_irecv", "all_gather_c
 # CUDA, as torch's, these tests train at worlds 2-3 over gloo, then every rank dies with SIGSEGV in
 # torch's DTensor.full_tensor() (functional all_gather_tensor -> wait_tensor over gloo with CUDA
 # tensors) when the test gathers the parameters to compare; test_default_mesh_is_torchs, which
-# gathers nothing, passes there. Real multi-GPU runs use NCCL, where this path does not arise.
+# gathers nothing, passes there. The path is torch's alone: the functional all-gather is
+# ``c10d::allgather_into_tensor_coalesced_`` (profiled on the CPU, torch 2.13-2.15), which gloo builds on
+# all_gather_coalesced, the collective GLOO_CUDA_UNSUPPORTED above lists as having no CUDA path.
+# No change in sharded lifts this skip: a DTensor of torch's own fully_shard takes the same path
+# (it is not the rare CPU SIGSEGV of issue #36, where every tensor is in host memory).
+# Real multi-GPU runs use NCCL, where this path does not arise.
 LAYER3_OVER_GLOO_ON_CUDA = (
     "layer 3 over gloo on CUDA: torch's DTensor.full_tensor() (functional all-gather) died with SIGSEGV over gloo "
     "with CUDA tensors on the first GPU run (torch 2.11.0+cu130); on one GPU, worlds 2 and 3 need gloo"
