@@ -98,6 +98,7 @@ from accumulation import (  # noqa: E402  (benchmarks/accumulation.py: the invar
     ACCUMULATION, ACCUMULATION_HEAD, DEFAULT_OF, MICRO_BATCHES_ENV, AccumulatedSteps, accumulation_cells,
     accumulation_rows, build_accumulation, reference_invariant,
 )
+from lowbit_rows import LOWBIT, build_lowbit, lowbit_bytes  # noqa: E402  (benchmarks/lowbit_rows.py: issue 39's rows)
 
 IMPLS = {
     "ideal": "ideal: no communication, 1/N step",
@@ -128,6 +129,7 @@ IMPLS = {
     "fsdp2_muon": "torch fully_shard + Muon on shards",
     "zero3_muon": "sharded fully_shard, Owned() + Muon",
     **ACCUMULATION,
+    **LOWBIT,
 }
 SHORT_NAMES = {"ddp": "DDP", "torch_zero": "torch ZeRO\n+ DDP", "fairscale": "fairscale\nOSS + SDP",
                "zero1": "sharded\nOSS + DDP", "zero2": "sharded\nOSS + SDP",
@@ -142,7 +144,7 @@ SHORT_NAMES = {"ddp": "DDP", "torch_zero": "torch ZeRO\n+ DDP", "fairscale": "fa
                "fsdp2_compile": "torch FSDP2\ncompiled", "zero3_compile": "sharded ZeRO-3\ncompiled",
                "ddp_muon": "DDP\nMuon", "zero2_muon": "sharded ZeRO-2\nMuon", "fsdp2_muon": "torch FSDP2\nMuon",
                "zero3_muon": "sharded ZeRO-3\nOwned + Muon",
-               **{impl: name.replace(", ", "\n") for impl, name in ACCUMULATION.items()}}
+               **{impl: name.replace(", ", "\n") for impl, name in {**ACCUMULATION, **LOWBIT}.items()}}
 # The Muon rows: torch.optim.Muon over the blocks' matrices, Adam over the rest (embeddings, head,
 # norms, biases), each compared with DDP + the same two optimizers
 MUON = {"ddp_muon", "zero2_muon", "fsdp2_muon", "zero3_muon"}
@@ -157,7 +159,7 @@ SIZES = {"10m": dict(dim=384, layers=6, batch=8, seq=128), "40m": dict(dim=640, 
          "40m-short": dict(dim=640, layers=8, batch=1, seq=32)}
 COLLECTIVES = {"all_reduce": 2, "reduce": 1, "broadcast": 1, "all_gather": 1, "all_gather_into_tensor": 1,
                "all_gather_single": 1, "reduce_scatter": 1, "reduce_scatter_tensor": 1, "reduce_scatter_single": 1,
-               "all_to_all_single": 1, "send": None, "recv": None}
+               "all_to_all_single": 1, "gather": 1, "send": None, "recv": None}
 # the argument holding the full-size tensor, where it is not the first: a reduce-scatter's input
 FULL_SIZE_ARG = {"reduce_scatter": (1, "input_list"), "reduce_scatter_tensor": (1, "input"),
                  "reduce_scatter_single": (1, "input"), "all_to_all_single": (1, "input")}
@@ -189,6 +191,8 @@ def build(impl: str, model: nn.Module):
         return build_accumulation(impl, model, LR)
     if impl in MUON:
         return build_muon(impl, model)
+    if impl in LOWBIT:
+        return build_lowbit(impl, model, LR)
     if impl == "zero2_unused":  # defined last: the first gradient the initial reduce order expects
         model.unused = nn.Linear(model.head.in_features, model.head.in_features).to(model.head.weight.device)
     if impl.startswith(("fsdp", "zero3")):
@@ -601,6 +605,7 @@ def timing_rank(rank, world, args, store_path, results_path):
                 "params": sum(p.numel() for p in named.values()),
                 "param_bytes": gather(held_param_bytes(setups[impl][0]), device),
                 "param_digest": digest(named),
+                "lowbit_bytes": lowbit_bytes(setups[impl][0], setups[impl][1]),
                 **median_phases(phases[impl]),
             }
         compare_accumulation(report[size], accumulated)
