@@ -98,7 +98,7 @@ from accumulation import (  # noqa: E402  (benchmarks/accumulation.py: the invar
     ACCUMULATION, ACCUMULATION_HEAD, DEFAULT_OF, MICRO_BATCHES_ENV, AccumulatedSteps, accumulation_cells,
     accumulation_rows, build_accumulation, reference_invariant,
 )
-from lowbit_rows import LOWBIT, build_lowbit, lowbit_bytes  # noqa: E402  (benchmarks/lowbit_rows.py: issue 39's rows)
+from lowbit_rows import LOWBIT, ZEROPP, ZEROPP_NAMES, build_lowbit, lowbit_bytes  # noqa: E402  (benchmarks/lowbit_rows.py: issue 39's rows)
 
 IMPLS = {
     "ideal": "ideal: no communication, 1/N step",
@@ -130,6 +130,7 @@ IMPLS = {
     "zero3_muon": "sharded fully_shard, Owned() + Muon",
     **ACCUMULATION,
     **LOWBIT,
+    **ZEROPP_NAMES,
 }
 SHORT_NAMES = {"ddp": "DDP", "torch_zero": "torch ZeRO\n+ DDP", "fairscale": "fairscale\nOSS + SDP",
                "zero1": "sharded\nOSS + DDP", "zero2": "sharded\nOSS + SDP",
@@ -144,7 +145,7 @@ SHORT_NAMES = {"ddp": "DDP", "torch_zero": "torch ZeRO\n+ DDP", "fairscale": "fa
                "fsdp2_compile": "torch FSDP2\ncompiled", "zero3_compile": "sharded ZeRO-3\ncompiled",
                "ddp_muon": "DDP\nMuon", "zero2_muon": "sharded ZeRO-2\nMuon", "fsdp2_muon": "torch FSDP2\nMuon",
                "zero3_muon": "sharded ZeRO-3\nOwned + Muon",
-               **{impl: name.replace(", ", "\n") for impl, name in {**ACCUMULATION, **LOWBIT}.items()}}
+               **{impl: name.replace(", ", "\n") for impl, name in {**ACCUMULATION, **LOWBIT, **ZEROPP_NAMES}.items()}}
 # The Muon rows: torch.optim.Muon over the blocks' matrices, Adam over the rest (embeddings, head,
 # norms, biases), each compared with DDP + the same two optimizers
 MUON = {"ddp_muon", "zero2_muon", "fsdp2_muon", "zero3_muon"}
@@ -152,7 +153,7 @@ MUON_LR = 0.02
 # which ZeRO stage each implementation is, for the bytes-per-parameter table
 STAGES = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}
 # DeepSpeed's rows (the `bench` extra) and their zero_optimization.stage
-DEEPSPEED = {"ds_zero1": 1, "ds_zero2": 2, "ds_zero3": 3}
+DEEPSPEED = {"ds_zero1": 1, "ds_zero2": 2, "ds_zero3": 3, **{impl: 3 for impl in ZEROPP}}
 # "-short" sizes run 32 tokens per rank: the step is then optimizer and communication work, as it is
 # when an accelerator makes the matrix work cheap, and that is where the implementations differ.
 SIZES = {"10m": dict(dim=384, layers=6, batch=8, seq=128), "40m": dict(dim=640, layers=8, batch=4, seq=128),
@@ -338,7 +339,7 @@ def build_deepspeed(impl: str, model: nn.Module):
     os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))  # asserted by DeepSpeed; one host here
     # it calls torch's all_gather_into_tensor / reduce_scatter_tensor, deprecated in 2.13, once per bucket
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)`")
-    zero: dict = {"stage": DEEPSPEED[impl]}
+    zero: dict = {"stage": DEEPSPEED[impl], **ZEROPP.get(impl, {})}
     if zero["stage"] == 3:  # True would replace F.linear process-wide: every row's round-off would change
         zero["memory_efficient_linear"] = False
     # gradient_clipping: DeepSpeed 0.19 clips to norm 1.0 unless told otherwise; no other row clips
@@ -387,7 +388,7 @@ def full_named_params(impl: str, wrapped: nn.Module, model: nn.Module) -> dict[s
 
         with FSDP1.summon_full_params(wrapped):
             return {name: p.detach().clone() for name, p in model.named_parameters()}
-    if impl == "ds_zero3":
+    if DEEPSPEED.get(impl) == 3:
         import deepspeed
 
         with deepspeed.zero.GatheredParameters(list(model.parameters())):

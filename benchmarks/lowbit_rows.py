@@ -32,8 +32,17 @@ LOWBIT = {
 }
 MODE_OF = {"zero1_int8": "int8-params", "zero1_fp8": "fp8-params", "zero2_int8": "int8", "zero2_int4": "int4-grads",
            "zero3_int8": "int8", "zero3_int8_int4": "int8-params-int4-grads", "zero3_fp8": "fp8"}
+# DeepSpeed's ZeRO++ on its CPU accelerator (deepspeed 0.19.8, torch 2.13.0+cpu, world 2): only hpZ
+# runs. zero_quantized_weights (qwZ) stops in deepspeed.initialize (zero.Init builds a
+# CUDAQuantizer, whose QuantizerBuilder().load() is the CPU accelerator's NotImplementedBuilder:
+# "ValueError: This op had not been implemented on CPU backend.") and zero_quantized_gradients
+# (qgZ) stops the same way in the first backward (all_to_all_quant_reduce loads the same builder):
+# their quantisation kernels are CUDA sources (csrc/quantization). At world 2 hpZ's secondary
+# partition of 2 ranks is the whole world: each rank keeps a full secondary copy of the parameters.
+ZEROPP = {"ds_zeropp_hpz": {"zero_hpz_partition_size": 2}}
+ZEROPP_NAMES = {"ds_zeropp_hpz": "DeepSpeed ZeRO++ hpZ (partition 2)"}
 # the exact row of the same stage each low-bit row is measured against
-EXACT_OF = {impl: impl.split("_")[0] for impl in LOWBIT}
+EXACT_OF = {**{impl: impl.split("_")[0] for impl in LOWBIT}, **{impl: "ds_zero3" for impl in ZEROPP}}
 LOWBIT_HEAD = ["implementation", "mode", "step s", "vs exact", "peak vs exact", "low-bit bytes/step (rank 0)",
                "exact bytes/step", "ratio", "MiB sent (all)", "loss", "max abs diff to DDP"]
 
@@ -61,13 +70,13 @@ def build_lowbit(impl: str, model: nn.Module, lr: float):
 
 
 def lowbit_bytes(wrapped: Any, optimizer: Any) -> Optional[tuple[int, int]]:
-    """(sent, exact) bytes of this rank's last step over every wrapper's ``lowbit_traffic`` (each
-    step's record once: fully_shard's units may share one), ``None`` when no wrapper sends low-bit."""
-    sources = [optimizer, *(wrapped.modules() if isinstance(wrapped, nn.Module) else [wrapped])]
-    steps = {id(t): t for t in (getattr(s, "lowbit_traffic", None) for s in sources) if t is not None}
+    """(sent, exact) bytes of this rank's last step: ``OSS``'s and ``ShardedDataParallel``'s
+    ``lowbit_traffic``, or the root ``fully_shard`` module's (the sum of its units'); ``None`` when
+    no wrapper sends low-bit."""
+    steps = [t for t in (getattr(s, "lowbit_traffic", None) for s in (optimizer, wrapped)) if t is not None]
     if not steps:
         return None
-    return sum(t.sent_bytes for t in steps.values()), sum(t.exact_bytes for t in steps.values())
+    return sum(t.sent_bytes for t in steps), sum(t.exact_bytes for t in steps)
 
 
 def lowbit_cells(impl: str, rows: dict, name: str, peak_of) -> list[str]:
@@ -87,5 +96,6 @@ def lowbit_cells(impl: str, rows: dict, name: str, peak_of) -> list[str]:
 def lowbit_rows(rows: dict) -> list[str]:
     """The rows of a report that belong in the low-bit table: the low-bit rows, their exact rows,
     and DeepSpeed's ZeRO++ rows, in the report's order."""
-    wanted = set(LOWBIT) | {EXACT_OF[i] for i in LOWBIT if i in rows} | {i for i in rows if i.startswith("ds_zeropp")}
-    return [impl for impl in rows if impl in wanted] if set(LOWBIT) & set(rows) else []
+    ours = (set(LOWBIT) | set(ZEROPP)) & set(rows)
+    wanted = ours | {EXACT_OF[i] for i in ours}
+    return [impl for impl in rows if impl in wanted] if ours else []
