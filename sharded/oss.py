@@ -22,11 +22,13 @@ from ._common import comm
 from ._common.checks import as_param_groups, check_optimizer_class, check_param_list, check_same_across_ranks, param_list
 from ._common.errors import on_rank
 from ._common.flat import DEFAULT_BUCKET_NUMEL
+from ._common.lowbit import LowBit, StepTraffic
 from ._common.norm import clip_by_global_norm
 from ._common.optimizers import hyperparams
 from ._owners.broadcaster import ParamBroadcaster
 from ._owners.ddp_overlap import PARTITION_CHANGED_UNDER_HOOK, TORCH_HOOKS_REFUSED, BucketSteps, step_only
 from ._owners.join_hooks import OptimizerJoinHook
+from ._owners.lowbit_params import MASTER_KEY, LowBitParams, refuse_unsupported
 from ._owners.optim_state import consolidated_state_dict, restore_state, snapshot_shard, states_by_param
 from ._owners.partition import Balance, Partition
 from ._owners.step_cost import ParamCost, bytes_cost, default_param_cost, param_costs
@@ -110,6 +112,16 @@ class OSS(Optimizer, Joinable):
             ``ZeroRedundancyOptimizer``'s default) leaves their storage alone, and each step
             holds a packed copy of every bucket of several parameters while the broadcasts
             are in flight (``sharded.estimate_memory(..., parameters_as_bucket_view=False)``).
+        lowbit: keyword-only: a :class:`sharded.LowBit` whose ``params`` format (``"int8"``,
+            ``"fp8_e4m3"``, ``"fp8_e5m2"``) the updated parameters travel in. Each owner keeps an
+            exact master of the parameters it owns (its partition once more in memory) and
+            sends the change of each bucket, ``encode(master - replica)``; every rank, the
+            owner too, adds the decoded change to the parameters it computes with, so all
+            ranks hold the same values, within one rounding of one step's change of the
+            masters: ``|replica - master| <= error_bound(master - previous replica)``.
+            :attr:`lowbit_traffic` gives the bytes of the last step. ``LowBit(grads=...)`` is
+            refused (gradients are reduced by DDP or ``ShardedDataParallel(lowbit=)``), as are
+            ``broadcast_fp16=True`` and ``overlap_with_ddp=True`` beside it.
         **defaults: hyperparameters for ``optim`` (``lr``, ``momentum``, ...).
     """
 
@@ -129,6 +141,7 @@ class OSS(Optimizer, Joinable):
         param_cost: Optional[ParamCost] = None,
         overlap_with_ddp: bool = False,
         parameters_as_bucket_view: bool = True,
+        lowbit: Optional[LowBit] = None,
         **defaults: Any,
     ) -> None:
         check_optimizer_class(optim)
@@ -140,9 +153,11 @@ class OSS(Optimizer, Joinable):
         self.rank = comm.group_rank(self.group)
         self.world_size = comm.group_size(self.group)
         self.global_rank = comm.global_rank(self.group, self.rank)
+        refuse_unsupported(lowbit, self.rank, broadcast_fp16=broadcast_fp16, overlap_with_ddp=overlap_with_ddp)
+        self._lowbit = LowBitParams(lowbit, self.group) if lowbit is not None else None
         # The owners' broadcasts after each step (ShardedDataParallel's overlap waits on them).
         self.broadcaster = ParamBroadcaster(
-            self.group, broadcast_buffer_size, broadcast_fp16, resident=bool(parameters_as_bucket_view)
+            self.group, broadcast_buffer_size, broadcast_fp16, resident=bool(parameters_as_bucket_view), lowbit=self._lowbit
         )
         self.force_broadcast_object = force_broadcast_object
         self._consolidated: Optional[dict[int, Any]] = None  # global index -> state, on recipients
@@ -238,7 +253,20 @@ class OSS(Optimizer, Joinable):
 
     @broadcast_fp16.setter
     def broadcast_fp16(self, enabled: bool) -> None:
+        refuse_unsupported(self.lowbit, self.rank, broadcast_fp16=enabled)
         self.broadcaster.wire_fp16 = enabled
+
+    @property
+    def lowbit(self) -> Optional[LowBit]:
+        """The low-bit policy the parameter broadcasts follow (``None``: they are exact)."""
+        return self._lowbit.wire.policy if self._lowbit is not None else None
+
+    @property
+    def lowbit_traffic(self) -> Optional[StepTraffic]:
+        """With ``lowbit``: the bytes this rank sent in the last step's parameter broadcasts and
+        what exact broadcasts would have sent (read-only; ``None`` without ``lowbit`` or before
+        the first step's broadcasts completed)."""
+        return self._lowbit.traffic if self._lowbit is not None else None
 
     # ------------------------------------------------------------------------ stepping
 
@@ -262,7 +290,11 @@ class OSS(Optimizer, Joinable):
             self.refresh_trainable()
         self._consolidated = None
         self._push_hyperparams()
-        loss = self._step_local_shard(closure, *args, **kwargs)
+        if self._lowbit is not None:  # the optimizer steps the owners' masters, not the replicas
+            with self._lowbit.master_values(self.broadcaster.buckets):
+                loss = self._step_local_shard(closure, *args, **kwargs)
+        else:
+            loss = self._step_local_shard(closure, *args, **kwargs)
         self._pull_hyperparams()
         self.broadcaster.start()
         return loss
@@ -441,6 +473,8 @@ class OSS(Optimizer, Joinable):
         for inner, mine in zip(self.optim.param_groups, partition.owned_by_group(self.rank)):
             inner["params"] = mine
         self.broadcaster.plan(partition)
+        if self._lowbit is not None:
+            self._lowbit.keep_only([p for b in self.broadcaster.buckets if b.src == self.rank for p in b.tensors])
 
     def _warn_if_imbalanced_once(self, partition: Partition) -> None:
         """Whole parameters cannot be split: a large one (an embedding) can leave one rank far
@@ -462,8 +496,10 @@ class OSS(Optimizer, Joinable):
         owner = new.owner_of()
         states: dict[int, dict[torch.Tensor, dict[str, Any]]] = defaultdict(dict)
         grads: dict[int, dict[torch.Tensor, dict[str, Any]]] = defaultdict(dict)
-        for p in [p for p in self.optim.state if owner[p] != self.rank]:
-            states[owner[p]][p] = self.optim.state.pop(p)
+        for p, state in self.held_states().items():
+            if owner[p] != self.rank:
+                self.optim.state.pop(p, None)
+                states[owner[p]][p] = state
         for p, old_owner in zip(self._partition.params, self._partition.owners):
             if old_owner == self.rank and owner[p] != self.rank and p.grad is not None:
                 grads[owner[p]][p] = {"grad": p.grad}
@@ -479,10 +515,33 @@ class OSS(Optimizer, Joinable):
                     param.grad = held["grad"].to(param.device, param.dtype)
 
     def _adopt(self, states: dict[torch.Tensor, dict[str, Any]]) -> None:
-        """Take copies of ``states`` as the inner optimizer's state of their (owned) parameters."""
+        """Take copies of ``states`` as the inner optimizer's state of their (owned) parameters;
+        a saved master (``lowbit``) becomes this rank's master of its parameter."""
         group_of = {p: group for group in self.param_groups for p in group["params"]}
         for param, state in states.items():
-            self.optim.state[param] = restore_state(state, param, group_of[param])
+            restored = restore_state(state, param, group_of[param])
+            master = restored.pop(MASTER_KEY, None)
+            if master is not None:
+                self._adopt_master(param, master)
+            self.optim.state[param] = restored
+
+    def _adopt_master(self, param: torch.Tensor, master: torch.Tensor) -> None:
+        if self._lowbit is not None:
+            self._lowbit.masters[param] = master
+        elif not getattr(self, "_warned_masters_dropped", False):
+            self._warned_masters_dropped = True
+            logger.warning("%s", on_rank(
+                "OSS: the state loaded holds low-bit masters (saved with lowbit); without lowbit the "
+                "parameters keep the values loaded into the model, within one rounding of those masters", self.rank))
+
+    def held_states(self) -> dict[torch.Tensor, dict[str, Any]]:
+        """Parameter -> the optimizer state this rank keeps for it: the wrapped optimizer's, with
+        the exact master under ``"lowbit_master"`` where ``lowbit`` keeps one (the owner's
+        state, saved and moved with the rest; the model holds the replica every rank computes with)."""
+        states = {p: dict(state) for p, state in self.optim.state.items()}
+        for p, master in (self._lowbit.masters.items() if self._lowbit is not None else ()):
+            states.setdefault(p, {})[MASTER_KEY] = master
+        return states
 
     # ------------------------------------------------------------------------ state dicts
 
@@ -503,7 +562,7 @@ class OSS(Optimizer, Joinable):
                     self.rank,
                 )
             )
-        mine = snapshot_shard(self.optim.state, self._partition)
+        mine = snapshot_shard(self.held_states(), self._partition)
         recipients = range(self.world_size) if recipient_rank == -1 else [recipient_rank]
         received = comm.exchange_objects({r: mine for r in recipients if r != self.rank}, self.group)
         if self.rank not in recipients:
@@ -546,6 +605,8 @@ class OSS(Optimizer, Joinable):
             group.update(hyperparams(saved))
         self._push_hyperparams()
         self.optim.state.clear()
+        if self._lowbit is not None:
+            self._lowbit.masters.clear()
         owner = self._partition.owner_of()
         self._adopt({param: state for param, state in states.items() if owner[param] == self.rank})
         self._upgrade_loaded_state()

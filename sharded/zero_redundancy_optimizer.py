@@ -22,6 +22,7 @@ from torch.optim import Optimizer
 
 from ._common import comm
 from ._common.checks import check_optimizer_class
+from ._common.lowbit import LowBit
 from ._owners.step_cost import ParamCost
 from .oss import OSS
 
@@ -63,6 +64,8 @@ class ZeroRedundancyOptimizer(OSS, _TorchZeroRedundancyOptimizer):  # type: igno
             ``ddp_zero_hook`` functions refuse this class and name ours; see
             :class:`sharded.OSS`'s ``overlap_with_ddp``).
         param_cost: keyword-only, as :class:`sharded.OSS`'s.
+        lowbit: keyword-only, as :class:`sharded.OSS`'s (parameters broadcast in fewer bits);
+            never taken for a hyperparameter of ``optimizer_class``.
         **defaults: the optimizer's hyperparameters (``lr``, ``betas``, ...).
     """
 
@@ -77,6 +80,7 @@ class ZeroRedundancyOptimizer(OSS, _TorchZeroRedundancyOptimizer):  # type: igno
         overlap_with_ddp: bool = False,
         *,
         param_cost: Optional[ParamCost] = None,
+        lowbit: Optional[LowBit] = None,
         **defaults: Any,
     ) -> None:
         check_optimizer_class(optimizer_class, "optimizer_class")
@@ -88,6 +92,7 @@ class ZeroRedundancyOptimizer(OSS, _TorchZeroRedundancyOptimizer):  # type: igno
             param_cost=param_cost,
             parameters_as_bucket_view=parameters_as_bucket_view,
             overlap_with_ddp=overlap_with_ddp,
+            lowbit=lowbit,
             **defaults,
         )
 

@@ -20,7 +20,7 @@ Only a parameter's owner steps it, so only the owner holds its new value. A
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,7 @@ from .._common.broadcast import (
     release_residents,
     start_broadcasts,
 )
+from .lowbit_params import LowBitParams, PendingChanges
 from .partition import Partition
 
 __all__ = ["ParamBroadcaster"]
@@ -54,20 +55,24 @@ class ParamBroadcaster:
         resident: make each bucket of several parameters their storage (their ``.data`` views
             of it), so nothing is copied to send or receive it; ``False`` leaves every
             parameter's storage where it is and packs and unpacks the bucket at each step.
+        lowbit: send each bucket's change in fewer bits instead (:mod:`.lowbit_params`: the
+            owners keep the masters); its waits are deferred and completed as the exact ones.
     """
 
-    def __init__(self, group: comm.ProcessGroup, bucket_numel: int, wire_fp16: bool, resident: bool = True) -> None:
+    def __init__(self, group: comm.ProcessGroup, bucket_numel: int, wire_fp16: bool, resident: bool = True,
+                 lowbit: Optional[LowBitParams] = None) -> None:
         self.group = group
         self.bucket_numel = bucket_numel
         self.wire_fp16 = wire_fp16
         self.resident = resident
+        self.lowbit = lowbit
         # Whether start() leaves the broadcasts in flight, for wait_for() to complete on use.
         self.defer_waits = False
         self._rank = comm.group_rank(group)
         self._partition = Partition.build([], comm.group_size(group))
         self._buckets: tuple[Bucket, ...] = ()
         self._bucket_of: dict[int, int] = {}  # id(parameter) -> position of its bucket, per plan
-        self._in_flight: Optional[PendingBroadcasts] = None
+        self._in_flight: Optional[Union[PendingBroadcasts, PendingChanges]] = None
 
     @property
     def buckets(self) -> tuple[Bucket, ...]:
@@ -106,7 +111,11 @@ class ParamBroadcaster:
             self.plan(self._partition)  # e.g. module.to(dtype) gave the parameters new storage
         with torch.profiler.record_function("sharded::broadcast_params"):
             frozen = self._stepped_frozen_buckets()
-            in_flight = start_broadcasts(self._buckets + frozen, self.group, self._wire_dtype())
+            in_flight: Union[PendingBroadcasts, PendingChanges]
+            if self.lowbit is not None:
+                in_flight = self.lowbit.start(self._buckets, frozen)
+            else:
+                in_flight = start_broadcasts(self._buckets + frozen, self.group, self._wire_dtype())
             if self.defer_waits and not frozen and not in_flight.done:
                 self._in_flight = in_flight
             else:

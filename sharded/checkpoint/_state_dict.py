@@ -31,6 +31,7 @@ from .._common import comm
 from .._common.dtensors import full_copy, full_model_state_dict, held_here, local_tensor_of, whole_on_group
 from .._common.errors import on_rank, process_rank
 from .._common.optimizers import hyperparams
+from .._owners.lowbit_params import MASTER_KEY
 from .._owners.optim_state import check_state_shapes, shapes_of
 from ..oss import OSS
 from ._fit_checks import CheckpointError, check_entries, check_filled, check_param_groups
@@ -118,6 +119,8 @@ def _held_states(optimizer: Optimizer) -> dict[torch.Tensor, Mapping[str, Any]]:
         kept = [p for group in optimizer.param_groups for p in group["params"] if held_here(p)]
         stepping = optimizer
     table: Mapping[torch.Tensor, Mapping[str, Any]] = stepping.state or placeholder_states(stepping, kept)
+    if isinstance(optimizer, OSS) and optimizer.lowbit is not None:  # the owners' exact masters, by parameter
+        table = {**table, **{p: {**table.get(p, {}), **held} for p, held in optimizer.held_states().items()}}
     return {p: table.get(p, {}) for p in kept}
 
 
@@ -151,6 +154,8 @@ def _rank0_torch_state_dict(module: nn.Module, optimizers: list[Optimizer], sing
     optims = [_full_optimizer_state(optimizer, rank) for optimizer in optimizers]
     if rank != 0:
         return {}
+    for optimizer, torch_format in zip(optimizers, optims):
+        _masters_into_model(optimizer, torch_format, model, param_fqns(module))
     full: dict[str, Any] = {"model": model}
     if optimizers:
         full["optim"] = optims[0] if single else optims
@@ -172,6 +177,18 @@ def _full_optimizer_state(optimizer: Optimizer, rank: int) -> Optional[dict[str,
     }
     state.update(_owned_states_on_rank0(params, owned, torch_format["state"]))
     return {"state": dict(sorted(state.items())), "param_groups": copy.deepcopy(torch_format["param_groups"])} if rank == 0 else None
+
+
+def _masters_into_model(optimizer: Optimizer, torch_format: Optional[dict[str, Any]], model: dict[str, Any],
+                        fqn_of: Mapping[torch.Tensor, str]) -> None:
+    """The full form is plain torch: an ``OSS(lowbit=)``'s exact masters (in its consolidated state)
+    become the model's values, which the replicas every rank computed with are within one rounding of."""
+    if not isinstance(optimizer, OSS) or torch_format is None:
+        return
+    for index, held in torch_format["state"].items():
+        master = held.pop(MASTER_KEY, None)
+        if master is not None:
+            model[fqn_of[optimizer.partition.params[index]]] = master
 
 
 def _owned_states_on_rank0(params: list[torch.Tensor], owned: set[int], states: Mapping[int, Any]) -> dict[int, Any]:

@@ -162,6 +162,14 @@ def _refuse_steps_that_break_invariance(optimizer: torch.optim.Optimizer, _args:
                 "OSS(broadcast_fp16=True) under MicroBatches: the ranks that do not own a parameter would compute with "
                 "its fp16 copy, and which ranks those are changes with the world size; use broadcast_fp16=False"
             ))
+    if getattr(optimizer, "lowbit", None) is not None and _live:
+        ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if any(m._param_ids & ids for m in list(_live)):
+            raise NotImplementedError(on_rank(
+                "OSS(lowbit=...) under MicroBatches: every rank computes with parameters rounded by the low-bit "
+                "broadcast, in blocks laid out by the partition, which changes with the world size (the "
+                "invariant promise is bits); use lowbit=None"
+            ))
     unfinished = [m for m in list(_unfinished) if m._position < len(m.indices)]
     if unfinished:
         raise RuntimeError(on_rank(

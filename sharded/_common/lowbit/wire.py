@@ -97,9 +97,12 @@ class LowBitWire:
         self.traffic.add(collective, nbytes, nbytes)
 
     # ------------------------------------------------------------------ collectives
-    def broadcast(self, codec: Codec, x: torch.Tensor, src: int) -> Pending:
+    def broadcast(self, codec: Codec, x: torch.Tensor, src: int, base: Optional[torch.Tensor] = None) -> Pending:
         """``src``'s ``x`` (1-D) to every rank; every rank (``src`` too) gets the decoded values, so
-        all hold the same. Receivers pass a tensor of the same numel and dtype (its values unused)."""
+        all hold the same. Receivers pass a tensor of the same numel and dtype (its values unused).
+        ``base`` (float32, ``x``'s numel; given on shadow steps): the values the received ``x`` is
+        a change of (ZeRO-1 sends parameter changes); the check then reports the divergence of
+        ``base + received`` from ``base + exact``."""
         block = self.policy.block_size
         sending = self.rank == src
         if sending:
@@ -114,7 +117,8 @@ class LowBitWire:
         def finish() -> torch.Tensor:
             decoded = codec.decode(message, x.numel(), block)
             if exact is not None:
-                self.shadow.compare("broadcast", decoded, exact)
+                after = None if base is None else (base + decoded, base + exact.float())
+                self.shadow.compare("broadcast", decoded, exact, divergence_of=after)
             return decoded
 
         return Pending(work, finish, (message,))
