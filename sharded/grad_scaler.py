@@ -14,12 +14,13 @@ by default scales on CUDA and, where there is no CUDA, disables itself with torc
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from ._common import comm
+from ._common.lowbit import ErrorFeedback, feedbacks_into
 
 __all__ = ["ShardedGradScaler"]
 
@@ -67,6 +68,7 @@ class ShardedGradScaler(torch.cuda.amp.GradScaler):
             enabled=enabled,
         )
         self.process_group = process_group
+        self._lowbit_feeds: list[ErrorFeedback] = []  # residuals of this step's low-bit gradients
 
     def _unscale_grads_(
         self,
@@ -76,8 +78,27 @@ class ShardedGradScaler(torch.cuda.amp.GradScaler):
         allow_fp16: bool,
     ) -> dict[torch.device, torch.Tensor]:
         """Unscale this rank's gradients, then make every rank's found-inf flags the global max."""
-        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
-        return _agree_on_found_inf(per_device, self.process_group)
+        per_device = _agree_on_found_inf(super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16), self.process_group)
+        feeds = feedbacks_into(optimizer)
+        if feeds:
+            self._lowbit_feeds += feeds
+            if any(float(flag) > 0 for flag in per_device.values()):  # the step is skipped
+                for feedback in feeds:
+                    feedback.clear()
+        return per_device
+
+    def update(self, new_scale: Optional[Union[float, torch.Tensor]] = None) -> None:
+        """As torch's; the low-bit residuals of gradients that were unscaled this step follow a
+        change of scale, since they are added to gradients scaled by the new one."""
+        feeds, self._lowbit_feeds = self._lowbit_feeds, []
+        if not feeds or not self.is_enabled():
+            return super().update(new_scale)
+        before = self.get_scale()
+        super().update(new_scale)
+        after = self.get_scale()
+        if before > 0 and after != before:
+            for feedback in {id(f): f for f in feeds}.values():
+                feedback.rescale(after / before)
 
 
 def _agree_on_found_inf(

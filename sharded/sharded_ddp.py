@@ -26,7 +26,9 @@ from ._common.errors import on_rank
 from ._common.flat import DEFAULT_BUCKET_NUMEL
 from ._owners.compile_split import graph_splitter, split_bytes_for
 from ._owners.grad_router import BackwardStats, GradRouter
+from ._common.lowbit import ErrorFeedback, LowBit, StepTraffic, feed_into
 from ._owners.join_hooks import ModelJoinHook, before_forward_under_join
+from ._owners.lowbit_reduce import lowbit_buckets_for
 from ._owners.param_waits import ParamWaits
 from ._owners.torch_clip import clip_owner_reduced_, register_owner_reduced
 from .oss import OSS
@@ -86,6 +88,12 @@ class ShardedDataParallel(nn.Module, Joinable):
             wait in their next collective until the process group's timeout. On one rank there
             is nothing to reduce and nothing is checked. :meth:`refresh_trainable` starts the
             learning again.
+        lowbit: keyword-only; ``sharded.LowBit(grads=...)`` reduces the gradients in that
+            format (``int8``, ``int4``, ``fp8_e4m3``, ``fp8_e5m2``) with blockwise scales, summed
+            in float32 on the owner, with error feedback unless turned off (see
+            ``docs/guides/lowbit.md``, "ZeRO-2"); :attr:`lowbit_traffic` gives each step's
+            bytes. ``params`` is refused here (it is ``OSS``'s), and so is ``reduce_fp16``
+            beside it. ``None`` (default): exact.
     """
 
     def __init__(
@@ -102,6 +110,7 @@ class ShardedDataParallel(nn.Module, Joinable):
         overlap_param_broadcast: bool = False,
         *,
         static_graph: bool = False,
+        lowbit: Optional[LowBit] = None,
     ) -> None:
         super().__init__()
         Joinable.__init__(self)
@@ -135,6 +144,11 @@ class ShardedDataParallel(nn.Module, Joinable):
         )
         if sync_models_at_startup:
             self._start_broadcast_from(0, list(module.parameters()) + list(module.buffers())).wait()
+        self.lowbit = lowbit
+        self._lowbit = lowbit_buckets_for(lowbit, reduce_fp16, self.process_group, {p: n for n, p in module.named_parameters()})
+        if self._lowbit is not None:
+            for optimizer in self.sharded_optimizers:  # a skipped step drops its residuals
+                feed_into(optimizer, self._lowbit.wire.feedback)
         self._router = self._build_router()
         self._trainability = self._current_trainability()
         self._param_waits = ParamWaits(module, [o.broadcaster for o in self.sharded_optimizers]) if overlap_param_broadcast else None
@@ -249,6 +263,21 @@ class ShardedDataParallel(nn.Module, Joinable):
         return owner_of
 
     @property
+    def lowbit_traffic(self) -> Optional[StepTraffic]:
+        """The bytes this rank sent in the last synced backward's reduces (or explicit
+        :meth:`reduce`) and what the exact reduces would have sent; ``None`` without ``lowbit``
+        or before the first. On one rank nothing is reduced, so it stays ``None``."""
+        return self._lowbit.last_traffic if self._lowbit is not None else None
+
+    @property
+    def lowbit_residuals(self) -> ErrorFeedback:
+        """This rank's error-feedback residuals, by bucket message (what ``sharded.checkpoint``
+        saves); raises without ``lowbit``."""
+        if self._lowbit is None:
+            raise ValueError(on_rank("ShardedDataParallel has no low-bit residuals without lowbit=LowBit(grads=...)", self.rank))
+        return self._lowbit.wire.feedback
+
+    @property
     def backward_stats(self) -> Optional[BackwardStats]:
         """How the last synced backward's reduction overlapped it (None before the first)."""
         return self._router.last_backward
@@ -287,7 +316,11 @@ class ShardedDataParallel(nn.Module, Joinable):
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """The hook ``Join`` runs on a rank out of data (see :meth:`join`); it reads
-        ``divide_by_initial_world_size`` (default True) from the keyword arguments."""
+        ``divide_by_initial_world_size`` (default True) from the keyword arguments. Refused with
+        ``lowbit``: a joined rank's zeros would carry its residuals into the others' sums."""
+        if self._lowbit is not None:
+            raise ValueError(on_rank("ShardedDataParallel(lowbit=...) under Join: uneven inputs are not supported "
+                                     "with low-bit gradients; pass lowbit=None or give every rank the same batches", self.rank))
         return ModelJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
 
     @property
@@ -339,6 +372,8 @@ class ShardedDataParallel(nn.Module, Joinable):
         self._router.remove_hooks()
         old, self._router = self._router, self._build_router()
         self._router.carry_held_from(old)
+        if self._lowbit is not None:
+            self._lowbit.keep_only(self._router.buckets)  # a rebuilt bucket starts without a residual
         self._trainability = self._current_trainability()
 
     def remove_hooks(self) -> None:
@@ -398,6 +433,7 @@ class ShardedDataParallel(nn.Module, Joinable):
             self.reduce_fp16,
             names={p: n for n, p in self.module.named_parameters()},
             static_graph=self.static_graph,
+            lowbit=self._lowbit,
         )
 
     def _trainable_params_covered_by_optimizers(self) -> list[torch.Tensor]:

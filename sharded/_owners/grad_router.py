@@ -45,6 +45,7 @@ from .grad_checks import GradChecks
 from .held_averages import HeldAverages
 from .late_grads import LateGradients
 from .learned_graph import LearnedGraph
+from .lowbit_reduce import LowBitBuckets
 from .reduce_pass import Fill, Pass
 
 __all__ = ["BackwardStats", "GradRouter", "Phase"]
@@ -73,6 +74,7 @@ class GradRouter:
         static_graph: learn the gradients from the first synced backward, then skip the
             per-backward agreement on late gradients and the read of the 'used' flags; a later
             backward that produces other gradients raises (see :mod:`.learned_graph`).
+        lowbit: send the buckets in fewer bits (see :mod:`.lowbit_reduce`); ``None``: exact.
     """
 
     def __init__(
@@ -84,8 +86,10 @@ class GradRouter:
         reduce_fp16: bool,
         names: Optional[dict[torch.Tensor, str]] = None,
         static_graph: bool = False,
+        lowbit: Optional[LowBitBuckets] = None,
     ) -> None:
         self.group = group
+        self._lowbit = lowbit
         self.rank = comm.group_rank(group)
         self.world_size = comm.group_size(group)
         self.params = tuple(params)
@@ -277,7 +281,7 @@ class GradRouter:
             self._graph.note_sent(self._written(fill))
         bw.fills[b] = None
         bw.next_launch = b + 1
-        bw.send(fill, self.group)
+        bw.send(fill, self.group, lowbit=self._lowbit)
         bw.release_sent()
 
     def _written(self, fill: Fill) -> list[int]:
@@ -335,6 +339,8 @@ class GradRouter:
         self.phase = Phase.IDLE
         if after_backward:
             self._learn_from(bw, agreed=not fixed, arrivals=self._graph.expected if shadow else bw.arrivals)
+        if self._lowbit is not None:
+            self._lowbit.end_step()
 
     def _send_corrections(self) -> None:
         """Reduce again the buckets some rank's late gradients need (after agreeing which)."""
@@ -343,7 +349,7 @@ class GradRouter:
             self._graph.note_sent(self._written(fill))
             bw.hold(fill.nbytes)
             bw.late_reduces += 1
-            bw.send(fill, self.group, is_correction=True)
+            bw.send(fill, self.group, is_correction=True, lowbit=self._lowbit)
 
     def _hand_out(self, fill: Fill, is_correction: bool, fixed: bool) -> list[int]:
         """On the owner: the reduced results become the parameters' gradients (with the graph
@@ -358,6 +364,8 @@ class GradRouter:
         self.last_backward = BackwardStats.of(bw, self.buckets, self._armed_at, agreed)
         if not self.bucket_index.from_observed_order:
             self.bucket_index.replan_from(bw.completed_at, self.group)
+            if self._lowbit is not None:
+                self._lowbit.keep_only(self.buckets)  # residuals of buckets the new plan lacks
         self._graph.learn(arrivals, self.group)
 
 

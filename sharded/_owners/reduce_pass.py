@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from .._common import comm
 from .._common.flat import used_anywhere, used_flags
 from .._common.in_flight import MAX_SENDS_IN_FLIGHT
+from .lowbit_reduce import LowBitBuckets, Reduction
 from .reduce_plan import ReduceBucket
 
 __all__ = ["Fill", "Pass", "Sent"]
@@ -90,7 +90,7 @@ class Sent:
     """A bucket's reduce in flight; a correction adds to the owner's first result."""
 
     fill: Fill
-    work: dist.Work
+    work: Reduction
     is_correction: bool
 
 
@@ -126,10 +126,14 @@ class Pass:
         self.held_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.held_bytes)
 
-    def send(self, fill: Fill, group: comm.ProcessGroup, is_correction: bool = False) -> None:
-        """Start reducing ``fill`` to its owner."""
+    def send(self, fill: Fill, group: comm.ProcessGroup, is_correction: bool = False, lowbit: Optional[LowBitBuckets] = None) -> None:
+        """Start reducing ``fill`` to its owner (through ``lowbit`` when the wrapper has a policy)."""
         with torch.profiler.record_function("sharded::reduce_bucket"):
-            work = comm.start_reduce(fill.buffer, fill.bucket.owner, group)
+            work: Reduction
+            if lowbit is None:
+                work = comm.start_reduce(fill.buffer, fill.bucket.owner, group)
+            else:
+                work = lowbit.start(fill.bucket, fill.buffer, exact=is_correction)
         self.in_flight.append(Sent(fill, work, is_correction))
 
     def release_sent(self) -> None:

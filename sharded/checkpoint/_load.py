@@ -29,7 +29,7 @@ from .._common.dtensors import is_dtensor
 from .._common.errors import on_rank
 from .._owners.optim_state import check_state_shapes
 from ._fit_checks import CheckpointError, check_entries, check_param_groups
-from ._paths import KeyPath, covered, leaves, nest, reaches, set_at, value_at
+from ._paths import KeyPath, covered, leaves, nest, optional, reaches, set_at, value_at
 from ._placeholders import is_unfilled, mark_unfilled
 from ._ranks import Ranks
 
@@ -111,7 +111,7 @@ def _check_keys_and_shapes(state: Mapping[str, Any], index: Index, source: str, 
             param = model.get(path[2]) if path[:2] == _OPTIM_STATE and len(path) == 4 else None
             if isinstance(param, torch.Tensor):
                 check_state_shapes({str(path[3]): shape}, tuple(param.shape), str(path[2]), source, CheckpointError)
-    extras = [(path, value) for path, value in leaves(state) if path[0] not in ("model", "optim")]
+    extras = [(path, value) for path, value in leaves(state) if path[0] not in ("model", "optim") and not optional(state, path)]
     missing = [".".join(map(str, path)) for path, _ in extras if not covered(path, shapes)]
     if missing:
         raise CheckpointError(on_rank(f"{source} lacks {', '.join(missing)}; nothing was loaded"))

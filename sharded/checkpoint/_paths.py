@@ -11,10 +11,28 @@ from typing import Any, Iterable, Iterator, Mapping, MutableMapping, Union
 
 import torch
 
-__all__ = ["KeyPath", "covered", "leaves", "lookup", "nest", "reaches", "set_at", "value_at"]
+__all__ = ["KeyPath", "LoadIfSaved", "covered", "leaves", "lookup", "nest", "optional", "reaches", "set_at", "value_at"]
 
 KeyPath = tuple[Union[str, int], ...]
 _MISSING = object()
+
+
+class LoadIfSaved(dict):
+    """A template entry the checkpoint may lack: whatever was saved below it is loaded into it,
+    and nothing below it is required (state that exists only for some runs or world sizes, such
+    as low-bit error-feedback residuals, one entry per rank)."""
+
+
+def optional(root: Any, path: KeyPath) -> bool:
+    """Whether ``path`` runs through a :class:`LoadIfSaved` entry of ``root``."""
+    node = root
+    for part in path:
+        if isinstance(node, LoadIfSaved):
+            return True
+        node = lookup(node, part)
+        if node is _MISSING:
+            return False
+    return False
 
 
 def lookup(node: Any, part: Union[str, int]) -> Any:
@@ -33,7 +51,7 @@ def reaches(root: Any, path: KeyPath) -> bool:
     ends early at a plain value (which the saved, more detailed entries will replace)."""
     node = root
     for part in path:
-        if not isinstance(node, (Mapping, list, tuple)):
+        if not isinstance(node, (Mapping, list, tuple)) or isinstance(node, LoadIfSaved):
             return True
         node = lookup(node, part)
         if node is _MISSING:

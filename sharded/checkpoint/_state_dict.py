@@ -35,6 +35,7 @@ from .._owners.lowbit_params import MASTER_KEY
 from .._owners.optim_state import check_state_shapes, shapes_of
 from ..oss import OSS
 from ._fit_checks import CheckpointError, check_entries, check_filled, check_param_groups
+from ._lowbit import lowbit_entry, set_lowbit_entry
 from ._names import Optimizers, as_optimizer_list, inner_optimizer_class, keyed_by_number, optimizer_fqns, param_fqns, unwrap
 from ._placeholders import placeholder_states, unfilled_params
 
@@ -53,7 +54,8 @@ def get_state_dict(model: nn.Module, optimizers: Optimizers = (), *, full: bool 
     Sharded (default): every rank returns what it holds and nothing more; ``OSS`` ranks list
     only the optimizer state of the parameters they own, so no rank ever holds the whole
     optimizer state; under ZeRO-3 parameters and their element-wise optimizer state are
-    DTensors holding this rank's shard. An optimizer that has not stepped gets placeholder
+    DTensors holding this rank's shard. A wrapper with low-bit error feedback adds its
+    residuals under ``"lowbit"`` (see :mod:`._lowbit`). An optimizer that has not stepped gets placeholder
     state (zeros of the shapes it would create) for a loader to fill; :func:`save` leaves
     placeholders out, and :func:`set_state_dict` refuses them if nothing filled them.
 
@@ -67,6 +69,9 @@ def get_state_dict(model: nn.Module, optimizers: Optimizers = (), *, full: bool 
     state: dict[str, Any] = {"model": module.state_dict()}
     if listed:
         state["optim"] = _optimizer_entries(listed, param_fqns(module))
+    lowbit = lowbit_entry(model)
+    if lowbit is not None:
+        state["lowbit"] = lowbit
     return state
 
 
@@ -89,6 +94,7 @@ def set_state_dict(model: nn.Module, optimizers: Optimizers, state: Mapping[str,
         module.load_state_dict(state["model"])
     for optimizer, torch_format in loads:
         optimizer.load_state_dict(torch_format)
+    set_lowbit_entry(model, state.get("lowbit"))
 
 
 def _optimizer_entries(optimizers: list[Optimizer], fqn_of: Mapping[torch.Tensor, str]) -> dict[str, Any]:

@@ -134,6 +134,10 @@ class OwnersStage(Stage):
     def __init__(self, sdp: ShardedDataParallel) -> None:
         if sdp.reduce_fp16:
             raise NotImplementedError(on_rank("MicroBatches: ShardedDataParallel(reduce_fp16=True); the canonical sum is taken in fp32"))
+        if sdp.lowbit is not None:
+            raise NotImplementedError(on_rank(
+                "MicroBatches: ShardedDataParallel(lowbit=...); the invariant promise is the same bits at any world size, "
+                "and low-bit gradients round differently at each; pass lowbit=None", sdp.rank))
         self._sdp = sdp
         self.group = sdp.process_group
         self.world = sdp.world_size

@@ -12,11 +12,13 @@ with its state (``state_dict`` below).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .codecs import Codec
 
-__all__ = ["ErrorFeedback"]
+__all__ = ["ErrorFeedback", "feed_into", "feedbacks_into"]
 
 
 class ErrorFeedback:
@@ -43,6 +45,20 @@ class ErrorFeedback:
         """Forget every residual (after a skipped step the scaler discards, a load, a reset)."""
         self._residuals.clear()
 
+    def keep_only(self, names: set[str]) -> int:
+        """Drop the residuals of messages no longer sent (a re-planned or rebuilt wrapper);
+        returns how many were dropped."""
+        gone = [name for name in self._residuals if name not in names]
+        for name in gone:
+            del self._residuals[name]
+        return len(gone)
+
+    def rescale(self, factor: float) -> None:
+        """Multiply every residual by ``factor``: the gradients they belong to are now scaled
+        ``factor`` times as much (a gradient scaler changed its scale)."""
+        for residual in self._residuals.values():
+            residual.mul_(factor)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The residuals by message name, to save beside the wrapper's own state."""
         return dict(self._residuals)
@@ -54,3 +70,21 @@ class ErrorFeedback:
 
     def __len__(self) -> int:
         return len(self._residuals)
+
+
+# Which residuals belong to the gradients an optimizer steps with: a gradient scaler that skips
+# that optimizer's step drops them (they are rounding of gradients the step threw away), and one
+# that changes its scale rescales them. Weak both ways: neither keeps the other alive.
+_FEEDING: weakref.WeakKeyDictionary[object, list[weakref.ref[ErrorFeedback]]] = weakref.WeakKeyDictionary()
+
+
+def feed_into(optimizer: object, feedback: ErrorFeedback) -> None:
+    """Record that ``feedback``'s residuals belong to gradients ``optimizer`` steps with."""
+    refs = [ref for ref in _FEEDING.get(optimizer, []) if ref() is not None and ref() is not feedback]
+    _FEEDING[optimizer] = refs + [weakref.ref(feedback)]
+
+
+def feedbacks_into(optimizer: object) -> list[ErrorFeedback]:
+    """The live residual stores recorded for ``optimizer`` (see :func:`feed_into`)."""
+    found = [ref() for ref in _FEEDING.get(optimizer, [])]
+    return [feedback for feedback in found if feedback is not None]

@@ -50,6 +50,13 @@ class Pending:
             self._buffers = ()
         return self._result
 
+    def is_completed(self) -> bool:
+        """Whether the collective has finished (``wait()`` then only decodes)."""
+        if self._done or self._work is None:
+            return True
+        probe = getattr(self._work, "is_completed", None)
+        return bool(probe()) if probe is not None else False
+
 
 class LowBitWire:
     """The low-bit collectives of one wrapper over ``group`` under ``policy``."""
