@@ -270,8 +270,15 @@ class GradientLayout:
     this rank receives needs."""
 
     params: list[ShardedParam]
-    widths: list[int]  # each parameter's slot, then the flags (one per parameter)
+    widths: list[int]  # each parameter's slot, then (``tail_align``) a gap, then the flags (one per parameter)
     had_grad: list[bool]  # which parameters this rank had a gradient for
+
+    @property
+    def tail_start(self) -> int:
+        """Where a row's tail starts: the flags, or, with the tail aligned, the gap's last
+        element right before them."""
+        aligned = len(self.widths) > len(self.params) + 1
+        return sum(self.widths[:-1]) - (1 if aligned else 0)
 
     def unpack(self, received: torch.Tensor, every: bool) -> list[tuple[ShardedParam, torch.Tensor]]:
         """This rank's reduced row -> ``(parameter, its rows of the gradient)`` (views of
@@ -293,16 +300,26 @@ def pack_gradients(
     grads: Sequence[Optional[torch.Tensor]],
     world: int,
     allocate: Callable[[int], torch.Tensor],
+    tail_align: int = 1,
 ) -> tuple[torch.Tensor, GradientLayout]:
     """The reduce-scatter's send buffer (from ``allocate(numel)``, in the reduce dtype) holding
     the full ``grads`` of ``params`` (``None`` where this rank has none) rank-major, and where
-    they are. Each gradient is cast once, as it is copied in."""
-    widths = [sp.geometry.slot_numel for sp in params] + [len(params)]
+    they are. Each gradient is cast once, as it is copied in.
+
+    ``tail_align > 1`` (a low-bit codec's block size): a zero gap before the flags, its last
+    element at a multiple of ``tail_align`` in each row, so that a blockwise codec scales that
+    element and the flags in blocks of their own, never beside the gradients
+    (:mod:`._lowbit_reduce` uses the element as a sentinel)."""
+    slots = [sp.geometry.slot_numel for sp in params]
+    gap = [-sum(slots) % tail_align + 1] if tail_align > 1 else []
+    widths = slots + gap + [len(params)]
     sent = allocate(world * sum(widths))
     blocks = column_blocks(sent, world, widths)
     copies = _Copies()
     for sp, grad, block in zip(params, grads, blocks):
         _spread_rows(sp, grad, block, copies)
+    if gap:
+        copies.zero(blocks[-2])
     had_grad = [g is not None for g in grads]
     flags = used_flags(had_grad, sent.dtype, sent.device)
     copies.copy(blocks[-1], flags.view(1, -1).expand(world, -1))

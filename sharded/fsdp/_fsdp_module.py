@@ -22,8 +22,10 @@ from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
 
 from .._common import comm
 from .._common.errors import on_rank
+from .._common.lowbit import StepTraffic
 from ._finalization import GradientReductionHandle
 from ._grad_dtypes import restore_grad_dtype, saved_grad_dtype
+from ._lowbit import traffic_of
 from ._state import state_of
 from ._unit import Unit, unit_of, units_under
 
@@ -308,8 +310,16 @@ class FSDPModule(TorchFSDPModule):
 
     def set_custom_all_gather(self, comm: Any) -> None:
         """Gather this unit's parameters with ``comm`` (a ``torch.distributed.fsdp.AllGather``:
-        ``allocate`` for the output buffer, then the collective)."""
-        _refuse_for_owned([self._fsdp_unit()], "set_custom_all_gather")
+        ``allocate`` for the output buffer, then the collective). Refused for a unit whose
+        ``lowbit`` policy gathers its parameters in fewer bits (the wire runs that gather)."""
+        unit = self._fsdp_unit()
+        _refuse_for_owned([unit], "set_custom_all_gather")
+        if comm is not None and unit.settings.lowbit is not None and unit.settings.lowbit.params is not None:
+            raise ValueError(on_rank(
+                f"set_custom_all_gather on fully_shard({unit.module_name}): its lowbit={unit.settings.lowbit!r} "
+                "gathers the parameters in low bits through its own collective; apply fully_shard with "
+                "LowBit(params=None) to use a custom all-gather"
+            ))
         self._fsdp_unit().settings.custom_all_gather = comm
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
@@ -330,6 +340,15 @@ class FSDPModule(TorchFSDPModule):
                            "NCCL on CUDA and torch's staging buffers, which sharded does not use")
 
     # ------------------------------------------------------------- sharded's extras
+
+    @property
+    def lowbit_traffic(self) -> Optional[StepTraffic]:
+        """The bytes this rank sent in the last step through the ``lowbit`` collectives of this
+        module's unit and the units below it (``sent``, per collective) and what the same
+        collectives send exact (``exact``); ``None`` when no unit has a ``lowbit`` policy, or
+        before the first step ends. A step ends with the backward after which no gradient waits
+        unsent (gradient accumulation's micro-batches are one step). Read-only."""
+        return traffic_of(self._fsdp_units(recurse=True))
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

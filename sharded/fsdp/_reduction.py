@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,7 @@ from torch.profiler import record_function
 from .._common import comm
 from ._collectives import PendingReduceScatter, ProfilerLabels, new_buffer, start_reduce_scatter
 from ._flat_buffers import GradientLayout, pack_gradients
+from ._lowbit_reduce import GradientWire, LowBitReduceScatter, check_reduce_scope, start_gradient_reduce_scatter
 from ._owned import OwnedReduction, start_owned_reduction
 from ._param import ShardedParam
 from ._placement.mesh import MeshInfo
@@ -81,7 +82,7 @@ class Reduction:
 
     def __init__(
         self,
-        scatter: PendingReduceScatter,
+        scatter: Union[PendingReduceScatter, LowBitReduceScatter],
         layout: GradientLayout,
         settings: ReduceSettings,
         streams: CommStreams,
@@ -168,13 +169,17 @@ class GradientReducer:
         self._streams = streams
         self._partial: Optional[torch.Tensor] = None  # scattered sums awaiting a deferred all-reduce
 
-    def start(self, params: list[ShardedParam], grads: list[Optional[torch.Tensor]], dtype: torch.dtype, labels: ProfilerLabels) -> UnitReduction:
+    def start(self, params: list[ShardedParam], grads: list[Optional[torch.Tensor]], dtype: torch.dtype, labels: ProfilerLabels,
+              lowbit: Optional[GradientWire] = None) -> UnitReduction:
         """Pack the full ``grads`` of ``params`` (``None`` where this rank has none) in
         ``dtype``, scale them and start reducing them: reduce-scattered, as the all-gather's
-        mirror image, and for owner-placed parameters reduced onto their owners. Empties
-        ``grads`` once packed: the full gradients are freed before the collectives run."""
+        mirror image (through ``lowbit``'s wire where the unit has one,
+        :mod:`._lowbit_reduce`), and for owner-placed parameters reduced onto their owners.
+        Empties ``grads`` once packed: the full gradients are freed before the collectives run."""
         if self._settings.reduction_override is not None:
             return self._settings.reduction_override(params, grads)
+        if lowbit is not None and lowbit.sends_grads:
+            check_reduce_scope(self._settings, lowbit.unit_name)
         settings = self._reduce_settings(dtype)
         cut = [(sp, g) for sp, g in zip(params, grads) if sp.owner is None]
         owned = [(sp, g) for sp, g in zip(params, grads) if sp.owner is not None]
@@ -183,22 +188,30 @@ class GradientReducer:
         parts: list[Any] = []
         with self._streams.on_reduce_scatter(), record_function(labels.reduce_scatter):
             if cut:
-                parts.append(self._start_reduce_scatter(cut, dtype, settings, labels))
+                parts.append(self._start_reduce_scatter(cut, dtype, settings, labels, lowbit))
             if owned:
                 parts.append(self._start_owned(owned, dtype, settings))
         return UnitReduction(parts)
 
     def _start_reduce_scatter(self, pairs: list[tuple[ShardedParam, Optional[torch.Tensor]]], dtype: torch.dtype,
-                              settings: ReduceSettings, labels: ProfilerLabels) -> Reduction:
+                              settings: ReduceSettings, labels: ProfilerLabels, lowbit: Optional[GradientWire]) -> Reduction:
         info, world = self._mesh_info, self._mesh_info.shard_world
         device, custom = info.device, settings.comm
+        low_bit = lowbit if lowbit is not None and lowbit.sends_grads else None
         params, grads = [sp for sp, _ in pairs], [g for _, g in pairs]
-        sent, layout = pack_gradients(params, grads, world, lambda numel: new_buffer(numel, dtype, device, custom))
+        sent, layout = pack_gradients(params, grads, world, lambda numel: new_buffer(numel, dtype, device, custom),
+                                      tail_align=low_bit.tail_align if low_bit is not None else 1)
         grads.clear()
         pairs.clear()
         settings.plan.scale_sent(sent)
         group = self._settings.reduce_scatter_group or info.shard_group
-        scatter = start_reduce_scatter(sent, group, world, settings.plan.scatter_op, custom)
+        scatter: Union[PendingReduceScatter, LowBitReduceScatter]
+        if low_bit is not None:
+            scatter = start_gradient_reduce_scatter(low_bit, sent, layout.tail_start, settings.plan, group, world)
+        else:
+            if lowbit is not None:
+                lowbit.count_exact(sent, world)
+            scatter = start_reduce_scatter(sent, group, world, settings.plan.scatter_op, custom)
         reduction = Reduction(scatter, layout, settings, self._streams, labels.land_gradients, _land_gradients)
         if world == 1:
             reduction.advance()  # nothing to wait for: start the all-reduce across replicas now

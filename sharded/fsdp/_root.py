@@ -30,6 +30,7 @@ from .._common.in_flight import MAX_REDUCTIONS_IN_FLIGHT, InFlight
 from ._extension import check_no_late_hooks
 from ._finalization import GradientReductionHandle
 from ._graph_task import accumulates_gradient
+from ._lowbit import end_step, share_wires
 from ._reduction import UnitReduction
 from ._unit import ShardState, TrainingState, Unit, unit_of, units_under
 from .policies import BackwardPrefetch
@@ -77,6 +78,7 @@ class Root:
                 f"not on {manual[0].module_name}"
             ))
         root = cls(unit, units)
+        share_wires(units)
         for u in units:
             u.context = unit.context
             if u.settings.reshard_after_forward is None:  # FSDP2's default: True, except for the root
@@ -291,9 +293,13 @@ class Root:
             u.finish_step()
 
     def _end_iteration(self) -> None:
-        """Every gradient lands; the next backward starts an iteration of its own."""
+        """Every gradient lands; the next backward starts an iteration of its own. Where no
+        unit keeps gradients unsent (accumulating with sync off), the step ends: the low-bit
+        wires count their bytes and report their checks once per step."""
         self._land_reductions(keep=0)
         self.unit.context.finalization.end_iteration()
+        if not any(sp.unsynced_grad is not None for u in self.units for sp in u.params):
+            end_step(self.units)
 
     # -------------------------------------------------------------- manual finalization
 

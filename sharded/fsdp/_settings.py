@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 from torch import nn
 
+from .._common.lowbit.policy import LowBit
 from ._finalization import FinalizationMode
 from ._placement.secondary_shard import SecondaryShardGroup
 from .policies import BackwardPrefetch, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -60,6 +61,8 @@ class UnitSettings:
     # what reduces the gradients instead, while set: ``(params, grads) -> UnitReduction``
     # (sharded.invariant's canonical exchange sets it for the micro-batches of a step)
     reduction_override: Optional[Callable[[list[Any], list[Any]], Any]] = None
+    # parameters and/or gradients on the wire in fewer bits (fully_shard(lowbit=...), _lowbit)
+    lowbit: Optional[LowBit] = None
 
     @property
     def offloads(self) -> bool:

@@ -29,6 +29,8 @@ from ._gather import GatherRoute, ParamGather
 from ._gather_kinds import gathers_for
 from ._grad_dtypes import accumulation_dtype, grads_follow_grad_dtype, reduce_dtype_for
 from ._hooks import BackwardTracker, cast_floats
+from ._lowbit import new_wire
+from ._lowbit_reduce import GradientWire
 from ._param import ShardedParam
 from ._placement.mesh import MeshInfo
 from ._placement.secondary_shard import SecondaryShardGroup
@@ -79,7 +81,8 @@ class Unit:
     module's methods, FSDP2's ``FSDPModule`` API, change later); ``gathers`` (a
     :class:`~._gather.ParamGather` per kind of storage: the plain parameters' flat buffers, the
     all-gather extension's); ``reducer`` (:class:`~._reduction.GradientReducer`); ``backward``
-    (:class:`~._hooks.BackwardTracker`).
+    (:class:`~._hooks.BackwardTracker`); ``lowbit_wire`` (the low-bit collectives of
+    ``settings.lowbit``, ``None`` without it: :mod:`._lowbit`).
 
     ``modules``: the module(s) one ``fully_shard`` call was given; a list makes one unit that
     all of them use (e.g. a final norm and the output head).
@@ -100,6 +103,8 @@ class Unit:
         self.gathers = gathers_for(self.params, mesh_info, settings)
         self.streams = _streams_for(mesh_info.device)
         self.reducer = GradientReducer(mesh_info, settings, self.streams)
+        # settings.lowbit's collectives; shared with the model's other units by the root (_lowbit)
+        self.lowbit_wire = new_wire(settings.lowbit, mesh_info)
         self.backward = BackwardTracker()
         self.shard_state = ShardState.SHARDED
         self.training_state = TrainingState.IDLE
@@ -336,7 +341,11 @@ class Unit:
         if not sending:
             return None
         dtype = self.reduce_dtype_for(trainable, grads)
-        return lambda: self.reducer.start(trainable, grads, dtype, self.labels)
+        return lambda: self.reducer.start(trainable, grads, dtype, self.labels, self._gradient_wire())
+
+    def _gradient_wire(self) -> Optional[GradientWire]:
+        """The low-bit wire the gradients go through, named for their residuals by the unit's path."""
+        return GradientWire(self.lowbit_wire, self.module_name) if self.lowbit_wire is not None else None
 
     def _check_unused_can_land(self, trainable: list[ShardedParam]) -> None:
         """``set_reduce_scatter_unused_params(True)`` sends zeros for a parameter without a

@@ -28,12 +28,14 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .._common.dtensors import is_dtensor, local_tensor_of
 from .._common.errors import on_rank
+from .._common.lowbit import LowBit
 from ._arguments import as_our_policies, resolve_reshard_after_forward, shard_placements
 from ._collect import check_not_sharded, collect_unit_params
 from ._extension import has_gather_extension
 from ._grad_dtypes import carry_grad_dtype
 from ._fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from ._hooks import install_forward_hooks, install_state_dict_hooks
+from ._lowbit import check_scope
 from ._param import ShardedParam, ShardGeometry
 from ._placement.dtensor import layout_for
 from ._placement.mesh import MeshInfo, resolve_mesh
@@ -45,7 +47,7 @@ from ._settings import UnitSettings
 from ._state import UnitState, register_with_torch, state_of
 from ._owned_routes import route_torch_for_owned
 from ._unit import Unit
-from .policies import MixedPrecisionPolicy, OffloadPolicy
+from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
 
@@ -61,6 +63,7 @@ def fully_shard(
     offload_policy: Any = None,
     ignored_params: Optional[Iterable[nn.Parameter]] = None,
     dp_mesh_dims: Any = None,
+    lowbit: Optional[LowBit] = None,
 ) -> Any:
     """Shard ``module``'s parameters over the ranks, in place; returns ``module``.
 
@@ -119,6 +122,13 @@ def fully_shard(
             dims; sharded over the ``shard`` dim(s) (and all-reduced over the ``replicate``
             dims); several names in a field are flattened, as in torch. ``replicate`` alone
             raises ``NotImplementedError``.
+        lowbit: a :class:`sharded.LowBit` policy to send the unit's parameter all-gathers
+            (``params``) and gradient reduce-scatters (``grads``) in fewer bits, with the error
+            bounds of ``docs/guides/lowbit.md``; ``None`` (default): exact. On a 1-D mesh of
+            plain element-sharded parameters kept on the compute device only: hybrid and SPMD
+            meshes, CPU offloading, ``Owned()`` placements, tensor-parallel parameters, the
+            all-gather extension (and, for ``params``, ``reshard_after_forward=k``) raise
+            ``ValueError``. The module's :attr:`FSDPModule.lowbit_traffic` gives each step's bytes.
 
     A parameter whose tensor defines ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` (a tensor
     subclass such as torchao's float8 weights) is all-gathered through them, as torch calls them:
@@ -151,7 +161,11 @@ def fully_shard(
         sp.gather_extension = has_gather_extension(param, name, sp.geometry.dim)
         sp.compute_dtype = _compute_dtype(mp_policy, param, name)
     _check_tensor_parallel_params(params)
-    unit = Unit(modules, params, info, _unit_settings(info, params, mp_policy, offload_policy, reshard_after_forward))
+    lowbit = check_scope(lowbit, f"fully_shard({', '.join(type(m).__name__ for m in modules)})", info, params,
+                         isinstance(offload_policy, CPUOffloadPolicy), secondary_shard_world(reshard_after_forward) is not None)
+    settings = _unit_settings(info, params, mp_policy, offload_policy, reshard_after_forward)
+    settings.lowbit = lowbit
+    unit = Unit(modules, params, info, settings)
     state = UnitState(unit)
     register_with_torch(modules, state)
     unit.shard_from_full([local_tensor_of(param) for _, param, _ in taken])

@@ -23,6 +23,7 @@ from .._common.broadcast import plan_broadcasts, start_broadcasts
 from .._common.dtensors import full_model_state_dict
 from .._common.errors import on_rank
 from .._common.flat import DEFAULT_BUCKET_NUMEL
+from .._common.lowbit import LowBit, StepTraffic
 from ._collect import modules_outside_units
 from ._fsdp1_options import CPUOffload, FSDP1Options, MixedPrecision, ProcessGroups, ShardingStrategy, fsdp1_options
 from ._fsdp_module import FSDPModule
@@ -102,6 +103,9 @@ class FullyShardedDataParallel(nn.Module):
             None | Shard(dim) | sharded.fsdp.Owned()``, e.g. ``lambda p: Owned() if p.ndim == 2
             else None`` to keep each matrix whole on one rank for a whole-matrix optimizer
             (Muon); full state dicts and ``summon_full_params`` give such parameters whole.
+        lowbit: ``fully_shard``'s, for every unit (beyond torch's FSDP1): a
+            :class:`sharded.LowBit` policy for low-bit all-gathers and reduce-scatters;
+            :attr:`lowbit_traffic` gives each step's bytes.
         reshard_after_forward, move_params_to_cpu, compute_dtype, fp32_reduce_scatter, and
             ``mixed_precision=True``: fairscale's spellings of ``SHARD_GRAD_OP`` (when
             ``False``), ``CPUOffload`` and ``MixedPrecision(compute_dtype or fp16, fp32 or the
@@ -133,6 +137,7 @@ class FullyShardedDataParallel(nn.Module):
         fp32_reduce_scatter: bool = False,
         flatten_parameters: bool = True,
         shard_placement_fn: Optional[Callable[[nn.Parameter], Any]] = None,
+        lowbit: Optional[LowBit] = None,
     ) -> None:
         super().__init__()
         options = fsdp1_options(
@@ -161,7 +166,7 @@ class FullyShardedDataParallel(nn.Module):
             module.to(device)
         if options.buffer_dtype is not None:
             _cast_buffers(module, options.buffer_dtype)
-        _shard_units(module, options, mesh, device)
+        _shard_units(module, options, mesh, device, lowbit)
         self.module = module
         self.sharding_strategy = options.strategy
         self.register_load_state_dict_pre_hook(_restore_wrapper_prefix)
@@ -190,6 +195,12 @@ class FullyShardedDataParallel(nn.Module):
                 return super().apply(fn)  # type: ignore[misc]
         finally:
             _applying.pop()
+
+    @property
+    def lowbit_traffic(self) -> Optional[StepTraffic]:
+        """The last step's bytes of the ``lowbit`` collectives (``FSDPModule.lowbit_traffic`` of
+        the wrapped module); ``None`` without ``lowbit``."""
+        return cast(FSDPModule, self.module).lowbit_traffic
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Forwards inside accumulate gradients locally, with no communication."""
@@ -284,7 +295,7 @@ def _ranks_per_node() -> int:
     raise ValueError(on_rank("hybrid sharding: pass device_mesh or process_group=(shard, replicate), or run under torchrun (LOCAL_WORLD_SIZE)"))
 
 
-def _shard_units(module: nn.Module, options: FSDP1Options, mesh: DeviceMesh, device: torch.device) -> None:
+def _shard_units(module: nn.Module, options: FSDP1Options, mesh: DeviceMesh, device: torch.device, lowbit: Optional[LowBit]) -> None:
     """``fully_shard`` the submodules the wrap policy picks, children first, then ``module`` as
     the root unit for the rest; each unit is materialised (and synced from rank 0) just before."""
     ignored = frozenset(id(p) for m in options.ignored_modules for p in m.parameters())
@@ -301,6 +312,7 @@ def _shard_units(module: nn.Module, options: FSDP1Options, mesh: DeviceMesh, dev
             offload_policy=options.offload_policy,
             ignored_params=_own(sub, ignored),
             shard_placement_fn=options.shard_placement_fn,
+            lowbit=lowbit,
         )
     for unit in units_under(module):
         unit.settings.backward_prefetch_timing = options.backward_prefetch

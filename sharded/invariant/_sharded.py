@@ -126,6 +126,8 @@ def _check_unit(unit: Any, info: Any) -> None:
         ("set_all_reduce_hook", settings.all_reduce_hook is not None),
         ("Shard(dim) other than 0: the norm's rows are dim 0", any(sp.geometry.dim != 0 for sp in unit.params if sp.owner is None)),
         ("tensor-parallel (DTensor) parameters", any(sp.layout is not None for sp in unit.params)),
+        (f"lowbit={settings.lowbit!r}: the invariant promise is bits, and low-bit communication rounds",
+         settings.lowbit is not None),
     ) if asked]
     if refused:
         raise NotImplementedError(on_rank(f"{where}: {refused[0]}"))

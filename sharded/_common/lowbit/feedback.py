@@ -13,6 +13,7 @@ with its state (``state_dict`` below).
 from __future__ import annotations
 
 import weakref
+from typing import Optional
 
 import torch
 
@@ -26,6 +27,7 @@ class ErrorFeedback:
 
     def __init__(self) -> None:
         self._residuals: dict[str, torch.Tensor] = {}
+        self._non_finite: Optional[torch.Tensor] = None  # this step's: did any message arrive non-finite?
 
     def encode(self, key: str, x: torch.Tensor, codec: Codec, block_size: int) -> torch.Tensor:
         """``x`` plus its residual, encoded; the new residual is kept. A residual whose size no
@@ -58,6 +60,20 @@ class ErrorFeedback:
         ``factor`` times as much (a gradient scaler changed its scale)."""
         for residual in self._residuals.values():
             residual.mul_(factor)
+
+    def note_non_finite(self, found: torch.Tensor) -> None:
+        """A message of this step arrived holding an inf or NaN where ``found`` (a bool tensor,
+        left on its device: no host sync here). A stage calls it where every rank learns the same
+        (each rank received from every sender), so :meth:`end_step` agrees on all ranks."""
+        found = found.any()
+        self._non_finite = found if self._non_finite is None else self._non_finite | found
+
+    def end_step(self) -> None:
+        """Close the step: if a message arrived non-finite (a gradient scaler skips the step),
+        drop every residual, which now holds the rounding of gradients nobody applies."""
+        found, self._non_finite = self._non_finite, None
+        if found is not None and bool(found):
+            self.clear()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The residuals by message name, to save beside the wrapper's own state."""

@@ -92,8 +92,11 @@ class LowBitWire:
         return self.shadow.due(self.traffic.step)
 
     def end_step(self) -> StepTraffic:
-        """Close the step: fallbacks reported once, shadow checks reported; the step's bytes returned."""
+        """Close the step: fallbacks reported once, shadow checks reported, residuals dropped
+        after a step that received non-finite gradients (:meth:`ErrorFeedback.end_step`); the
+        step's bytes returned."""
         self.fallbacks.end_step()
+        self.feedback.end_step()
         self.shadow.end_step(self.traffic.step)
         return self.traffic.end_step()
 

@@ -1,0 +1,138 @@
+"""ZeRO-3's gradient reduce-scatter in fewer bits: ``fully_shard(lowbit=LowBit(grads=...))``.
+
+A unit's packed gradients (:func:`._flat_buffers.pack_gradients`: ``W`` rows, row ``r`` what rank
+``r`` keeps) go through the wire's reduce-scatter (:meth:`LowBitWire.reduce_scatter`): every row
+is encoded in the policy's format, under error feedback with this rank's residual for that row
+(keyed ``<unit's module path>[r]``, so a rebuilt model finds its residuals again), exchanged
+all-to-all, decoded and summed in float32 in rank order on the receiver: ZeRO++'s qgZ in one hop.
+What follows is the exact path's: the op its reduce-scatter would have applied (``AVG``: the
+float32 sum divided by ``W``; the pre- and post-division of ``gradient_divide_factor`` and
+``force_sum_reduction`` around it, as :mod:`._reduce_ops` plans them), the cast to the reduce
+dtype, and the shards added to ``.grad``.
+
+The bound: each element of the shard gradient delivered is within ``(1/W) * sum over senders of
+their codec's error_bound`` of the exact average of what they sent (scaled as the plan scales,
+and up to float32's and the reduce dtype's rounding of that average); what they sent is their
+gradient plus their residual under error feedback.
+
+The row's tail: the "used" flags start a block of their own, after a sentinel element
+(``pack_gradients(tail_align=block_size)``). A flag beside large gradients would round to zero
+(int8 keeps 1 only beside values under 254), and the parameter's gradient would be dropped as
+unused. The sentinel is NaN in every row a rank sends when its gradients hold an inf or NaN, so
+every rank receives a non-finite tail block, not only the rank whose shard holds the bad block:
+each rank tells the wire's error feedback, which drops its residuals at the end of that step
+(the gradient scaler skips it; :meth:`ErrorFeedback.end_step`). Flags a non-finite block hid
+count as used: the gradients land, non-finite, for the scaler to see.
+
+At one rank the row still goes through the codec (the wire's reduce-scatter decodes its own
+message), so a world of one rounds as every other world does.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from .._common.errors import on_rank
+from .._common.lowbit import Codec, LowBitWire, Pending
+from ._collectives import PendingReduceScatter, start_reduce_scatter
+from ._reduce_ops import DivisionPlan
+from ._settings import UnitSettings
+
+__all__ = ["GradientWire", "LowBitReduceScatter", "check_reduce_scope", "start_gradient_reduce_scatter"]
+
+COLLECTIVE = "reduce_scatter"
+
+
+class GradientWire:
+    """What a unit's reduction needs of its low-bit wire: the wire, and the unit's name (the
+    message name its residuals are kept under)."""
+
+    def __init__(self, wire: LowBitWire, unit_name: str) -> None:
+        self.wire, self.unit_name = wire, unit_name
+
+    @property
+    def sends_grads(self) -> bool:
+        """Whether the policy sends gradients in fewer bits (else only its byte counts apply)."""
+        return self.wire.policy.grads is not None
+
+    @property
+    def tail_align(self) -> int:
+        """The alignment of a row's tail for :func:`._flat_buffers.pack_gradients`."""
+        return self.wire.policy.block_size
+
+    def count_exact(self, sent: torch.Tensor, world: int) -> None:
+        """Count the bytes of a reduce-scatter of ``sent`` (``world`` rows) that goes exact."""
+        self.wire.count_exact(COLLECTIVE, sent.numel() // world, sent.dtype, world - 1)
+
+
+class LowBitReduceScatter:
+    """A low-bit reduce-scatter in flight; :meth:`wait` returns this rank's row as the exact
+    reduce-scatter would (the same op applied, in the reduce dtype), as :class:`PendingReduceScatter`."""
+
+    def __init__(self, pending: Pending, sentinel: int, average_over: Optional[int], dtype: torch.dtype, wire: LowBitWire) -> None:
+        self._pending, self._sentinel, self._average_over = pending, sentinel, average_over
+        self._dtype, self._wire = dtype, wire
+        self._row: Optional[torch.Tensor] = None
+
+    def wait(self) -> torch.Tensor:
+        if self._row is None:
+            total = self._pending.wait()
+            assert total is not None  # a reduce-scatter delivers to every rank
+            self._row = _as_exact_would(total, self._sentinel, self._average_over, self._dtype, self._wire)
+        return self._row
+
+
+def _as_exact_would(total: torch.Tensor, sentinel: int, average_over: Optional[int], dtype: torch.dtype, wire: LowBitWire) -> torch.Tensor:
+    """The float32 sum ``total`` as the exact reduce-scatter delivers it: the tail read (a
+    non-finite sentinel noted, hidden flags counted as used), averaged if ``AVG``, cast."""
+    tail = total[sentinel:]
+    finite = torch.isfinite(tail)
+    wire.feedback.note_non_finite(~finite[0])
+    tail.masked_fill_(~finite, 1.0)
+    if average_over is not None:
+        total.div_(average_over)
+    return total.to(dtype)
+
+
+def check_reduce_scope(settings: UnitSettings, unit_name: str) -> None:
+    """Refuse what the low-bit reduce-scatter cannot honour, set after ``fully_shard``: a user's
+    reduce-scatter and a separate reduce-scatter group (the wire runs its own all-to-all on the
+    shard group)."""
+    refused = [why for why, asked in (
+        ("set_custom_reduce_scatter", settings.custom_reduce_scatter is not None),
+        ("set_separate_reduce_scatter_group", settings.reduce_scatter_group is not None),
+    ) if asked]
+    if refused:
+        raise ValueError(on_rank(
+            f"fully_shard({unit_name}): {refused[0]} cannot be combined with lowbit={settings.lowbit!r}: its gradients "
+            "travel through the low-bit all-to-all on the shard group; apply fully_shard with LowBit(grads=None) "
+            f"to use {refused[0]}"
+        ))
+
+
+def start_gradient_reduce_scatter(
+    lowbit: GradientWire, sent: torch.Tensor, sentinel: int, plan: DivisionPlan, group: dist.ProcessGroup, world: int,
+) -> Union[LowBitReduceScatter, PendingReduceScatter]:
+    """Start reducing the packed, scaled ``sent`` (``world`` rows packed with
+    ``tail_align=lowbit.tail_align``, the sentinel at ``sentinel`` in each row) over ``group``:
+    in the policy's format, or exact where the row cannot take it (a fallback, counted or
+    raised); its bytes counted either way."""
+    wire, rows = lowbit.wire, sent.view(world, -1)
+    codec = wire.codec("grads", COLLECTIVE, lowbit.unit_name, rows[0])
+    if codec is None:
+        lowbit.count_exact(sent, world)
+        return start_reduce_scatter(sent, group, world, plan.scatter_op)
+    return _start_low_bit(wire, codec, lowbit.unit_name, rows, sentinel, plan, world)
+
+
+def _start_low_bit(wire: LowBitWire, codec: Codec, name: str, rows: torch.Tensor, sentinel: int, plan: DivisionPlan,
+                   world: int) -> LowBitReduceScatter:
+    low, high = torch.aminmax(rows)
+    rows[:, sentinel] = low.float() * 0 + high.float() * 0  # NaN exactly when some value is inf or NaN
+    pending = wire.reduce_scatter(codec, name, rows.reshape(-1))
+    average_over = world if plan.scatter_op == dist.ReduceOp.AVG else None
+    return LowBitReduceScatter(pending, sentinel, average_over, rows.dtype, wire)
+
