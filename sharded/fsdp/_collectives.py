@@ -12,14 +12,18 @@ buffers and runs the collective in place of ours.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 import torch.distributed as dist
 
 from .._common import comm
+from .._common.lowbit import Codec, LowBitWire, Pending
 
-__all__ = ["ProfilerLabels", "new_buffer", "PendingGather", "start_all_gather", "PendingReduceScatter", "start_reduce_scatter"]
+__all__ = [
+    "ProfilerLabels", "new_buffer", "PendingGather", "start_all_gather", "PendingDecodedGather", "start_lowbit_all_gather",
+    "PendingReduceScatter", "start_reduce_scatter",
+]
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,23 @@ def start_all_gather(
     if custom is not None:
         return PendingGather(custom(output, sent, group, async_op=True), output, sent)
     return PendingGather(comm.all_gather_into_tensor(output, sent, group, async_op=True), output, sent)
+
+
+@dataclass
+class PendingDecodedGather:
+    """A low-bit all-gather in flight: ``wait`` gives every rank's shard, decoded in float32,
+    rank-major (the layout of :class:`PendingGather`'s output)."""
+
+    pending: Pending
+
+    def wait(self) -> torch.Tensor:
+        return cast(torch.Tensor, self.pending.wait())
+
+
+def start_lowbit_all_gather(wire: LowBitWire, codec: Codec, shard: torch.Tensor, exact_dtype: torch.dtype) -> PendingDecodedGather:
+    """Start gathering every rank's ``shard`` in ``codec``'s format through ``wire`` (this rank's
+    own shard encoded and decoded too); ``exact_dtype`` is what the exact gather would send."""
+    return PendingDecodedGather(wire.all_gather(codec, shard, exact_dtype))
 
 
 @dataclass

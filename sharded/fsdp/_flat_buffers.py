@@ -12,7 +12,8 @@ refills them in place. Writes go through an alias with its own version counter (
 refilling does not look like an in-place change to autograd.
 
 With one shard and no dtype or device change, the unsharded parameters simply view the shards:
-nothing is gathered, copied or freed.
+nothing is gathered, copied or freed; unless the gather decodes low-bit messages
+(``fully_shard(lowbit=LowBit(params=...))``), which it does on one rank too.
 
 :class:`UnitStorage` is the :class:`._gather.ParamGather` of plain parameters: it all-gathers
 ``sharded_flat`` as it is (or, in backward after a forward with ``reshard_after_forward=k``, the
@@ -33,13 +34,13 @@ this rank received back as one gradient shard per parameter.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
 from .._common.flat import column_blocks, is_view_of, offsets_of, used_anywhere, used_flags
-from ._collectives import PendingGather, start_all_gather
+from ._collectives import PendingDecodedGather, PendingGather, start_all_gather, start_lowbit_all_gather
 from ._gather import GatherRoute
 from ._param import ShardedParam
 from ._placement.secondary_shard import SecondaryShardGroup
@@ -58,6 +59,9 @@ class BufferPlacement:
     offload_to_cpu: bool = False
     pin_memory: bool = False
     unsharded_dtype: Optional[torch.dtype] = None
+    # the gather may decode a low-bit message (fully_shard(lowbit=LowBit(params=...))): then the
+    # gathered parameters hold the decoded values, never a view of the shards, even on one rank
+    decodes: bool = False
 
     def rest_device(self, device: torch.device) -> torch.device:
         """Where values that ``device`` holds are kept at rest."""
@@ -70,7 +74,7 @@ class BufferPlacement:
     def gathers_nothing(self, world: int, rest: torch.Tensor) -> bool:
         """One rank, and ``rest`` already in the gathered dtype on the compute device: the
         gathered parameters can view the values at rest themselves."""
-        return world == 1 and self.gathered_dtype(rest) == rest.dtype and rest.device == self.compute_device
+        return world == 1 and not self.decodes and self.gathered_dtype(rest) == rest.dtype and rest.device == self.compute_device
 
     def new_rest_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A zeroed flat buffer to keep values at rest on ``device``."""
@@ -123,7 +127,7 @@ class UnitStorage:
         self._unsharded_flat: Optional[torch.Tensor] = None
         self._unsharded_key: tuple = ()
         self._copy_out_blocks: list[torch.Tensor] = []
-        self._pending: Optional[PendingGather] = None  # an all-gather in flight
+        self._pending: Optional[Union[PendingGather, PendingDecodedGather]] = None  # an all-gather in flight
         self._secondary_shard: Optional[torch.Tensor] = None  # kept after forward for backward's gather
 
     # ------------------------------------------------------------------------- shards
@@ -172,13 +176,26 @@ class UnitStorage:
     def start(self, route: GatherRoute) -> None:
         """Start gathering the shards (or a kept secondary shard, if ``route`` says so) into
         the rank-major layout :meth:`finish` copies out; nothing when the unsharded parameters
-        view the shards. A secondary shard not used now is dropped."""
+        view the shards. A secondary shard not used now is dropped.
+
+        With a low-bit wire on the route, the shards travel in its ``params`` format: every
+        rank's (this one's too) encoded, and decoded in float32 on arrival, so every rank
+        computes with the same values; :meth:`finish` casts them to the unsharded dtype once.
+        The shards themselves (what the optimizer steps) are not touched. A shard the wire
+        cannot take (too small) is gathered exact, and counted."""
         kept, self._secondary_shard = self._secondary_shard, None
         if self.aliases_shards or not self.shard_numel:
             return
         source, group, world = self.sharded_flat, route.group, route.world
         if kept is not None and route.secondary is not None:
             source, group, world = kept, route.secondary.group, route.secondary.world
+        wire = route.lowbit
+        if wire is not None:
+            codec = wire.codec("params", "all_gather", f"the {str(self.unsharded_dtype).replace('torch.', '')} parameters of {route.unit}", source)
+            if codec is not None:
+                self._pending = start_lowbit_all_gather(wire, codec, source, self.unsharded_dtype)
+                return
+            wire.count_exact("all_gather", source.numel(), self.unsharded_dtype, world - 1)
         self._pending = start_all_gather(source, self.unsharded_dtype, self.compute_device, group, world, route.custom)
 
     def finish(self, keep_secondary: Optional[SecondaryShardGroup]) -> None:

@@ -19,6 +19,7 @@ from typing import Any, Optional, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
+from .._common.lowbit import LowBitWire
 from ._param import ShardedParam
 from ._placement.secondary_shard import SecondaryShardGroup
 
@@ -35,6 +36,10 @@ class GatherRoute:
     # in backward, after a forward that kept the secondary shard: gather that within its group
     # instead (plain parameters only: the extension's are gathered from their shards every time)
     secondary: Optional[SecondaryShardGroup] = None
+    # fully_shard(lowbit=...): the wire that gathers the plain parameters' shards in its ``params``
+    # format (a message it cannot take goes exact, counted); ``unit`` names the unit in its reports
+    lowbit: Optional[LowBitWire] = None
+    unit: str = ""
 
 
 class ParamGather(Protocol):

@@ -35,7 +35,8 @@ def gathers_for(params: list[ShardedParam], mesh_info: MeshInfo, settings: UnitS
         plain = [sp for sp in group if not sp.gather_extension and sp.owner is None]
         extended = [sp for sp in group if sp.gather_extension]
         owned = [sp for sp in group if sp.owner is not None]
-        placement = BufferPlacement(mesh_info.device, settings.offloads, settings.pins_memory, dtype)
+        decodes = settings.lowbit is not None and settings.lowbit.params is not None
+        placement = BufferPlacement(mesh_info.device, settings.offloads, settings.pins_memory, dtype, decodes)
         if plain:
             gathers.append(UnitStorage(plain, mesh_info.shard_world, placement))
         if extended:

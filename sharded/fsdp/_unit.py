@@ -202,7 +202,7 @@ class Unit:
         within its group instead."""
         info, asked = self.mesh_info, self.settings
         secondary = asked.secondary_shard if self.context.in_backward else None
-        return GatherRoute(info.shard_group, info.shard_world, asked.custom_all_gather, secondary)
+        return GatherRoute(info.shard_group, info.shard_world, asked.custom_all_gather, secondary, self.lowbit_wire, self.module_name)
 
     def wait_for_unshard(self) -> None:
         """Finish an all-gather in flight and show the full parameters to the module."""

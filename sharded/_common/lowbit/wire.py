@@ -133,20 +133,24 @@ class LowBitWire:
 
         return Pending(work, finish, (message,))
 
-    def all_gather(self, codec: Codec, shard: torch.Tensor) -> Pending:
+    def all_gather(self, codec: Codec, shard: torch.Tensor, exact_dtype: Optional[torch.dtype] = None) -> Pending:
         """Every rank's equal-sized ``shard`` (1-D), rank after rank, decoded: this rank's own piece
-        goes through the codec too, so every rank computes with the same values."""
+        goes through the codec too, so every rank computes with the same values. ``exact_dtype``:
+        the dtype the exact gather sends (default ``shard``'s; ZeRO-3 with a ``param_dtype`` sends
+        that), for the exact bytes counted and the shadow check's reference."""
         block, n = self.policy.block_size, shard.numel()
+        exact_dtype = exact_dtype or shard.dtype
         message = codec.encode(shard, block)
         received = torch.empty(self.world * message.numel(), dtype=torch.uint8, device=shard.device)
         exact = None
         if self.checking:
-            exact = torch.empty(self.world * n, dtype=shard.dtype, device=shard.device)
-            comm.all_gather_into_tensor(exact, shard.contiguous(), self.group, async_op=False)
+            exact = torch.empty(self.world * n, dtype=exact_dtype, device=shard.device)
+            comm.all_gather_into_tensor(exact, shard.to(exact_dtype).contiguous(), self.group, async_op=False)
         work = comm.all_gather_into_tensor(received, message, self.group) if self.world > 1 else None
         if self.world == 1:
             received.copy_(message)
-        self.traffic.add("all_gather", message.numel() * (self.world - 1), n * shard.element_size() * (self.world - 1))
+        exact_bytes = n * torch.empty((), dtype=exact_dtype).element_size() * (self.world - 1)
+        self.traffic.add("all_gather", message.numel() * (self.world - 1), exact_bytes)
 
         def finish() -> torch.Tensor:
             out = torch.empty(self.world * n, dtype=torch.float32, device=shard.device)
