@@ -71,7 +71,7 @@ class Predict:
             room = torch.zeros(bucket.numel)
             mean = torch.zeros(bucket.numel)
             for r in range(self.world):
-                flat = torch.cat([(grads[r][names[p]] * (1.0 / self.world)).reshape(-1) for p in bucket.params])
+                flat = torch.cat([(_grad_or_zeros(grads[r], names[p], p) * (1.0 / self.world)).reshape(-1) for p in bucket.params])
                 carried = self.feedback[r].state_dict().get(key) if self.feedback else None
                 carried = carried.clone() if carried is not None else torch.zeros_like(flat)
                 meant = flat + carried
@@ -87,6 +87,11 @@ class Predict:
                 piece = slice(offset, offset + p.numel())
                 delivered[n], bound[n], exact[n] = total[piece].view(p.shape), room[piece].view(p.shape), mean[piece].view(p.shape)
         return delivered, bound, exact
+
+
+def _grad_or_zeros(grads: dict[str, torch.Tensor], name: str, param: torch.Tensor) -> torch.Tensor:
+    """A rank's gradient, or the zeros its bucket carries for a parameter it did not use."""
+    return grads[name] if name in grads else torch.zeros_like(param)
 
 
 def _residual_total(predict: Predict) -> dict[str, torch.Tensor]:
@@ -172,6 +177,7 @@ def _parity(rank: int, world: int) -> dict:
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_owner_gradient_is_the_decoded_sum_within_the_codec_bounds(world):
     figures = run_on_ranks(_parity, world)
+    print(f"world {world}, bytes sent by each rank in one step (low-bit, exact): {figures}")
     if world > 1:
         sent = sum(f["int8"][0] for f in figures)
         exact = sum(f["int8"][1] for f in figures)
@@ -356,8 +362,45 @@ def _refusals(rank: int, world: int) -> None:
         MicroBatches(sdp, 6)
 
 
+class _WithUnused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.spare = _model(), nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def _static_bf16_unused(rank: int, world: int) -> None:
+    """bf16 gradients under static_graph, with a parameter no rank uses: the owner's gradient is
+    the float32 sum of the decoded messages cast to bf16; the unused one stays None."""
+    policy = LowBit(grads="int8", block_size=BLOCK, min_numel=0)
+    sdp = _wrap(policy, model=_WithUnused().to(torch.bfloat16), static_graph=True)
+    names = {p: n for n, p in sdp.module.named_parameters()}
+    predict, ref = Predict(policy, world), _WithUnused().to(torch.bfloat16)
+    for step in range(3):
+        ref.load_state_dict(sdp.module.state_dict())
+        grads = []
+        for r in range(world):
+            ref.zero_grad(set_to_none=True)
+            _loss(ref, _batch(r, step).bfloat16()).backward()
+            grads.append({n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None})
+        buckets = sdp._router.buckets
+        sdp.sharded_optimizers[0].zero_grad()
+        _loss(sdp, _batch(rank, step).bfloat16()).backward()
+        delivered, _, _ = predict.step(buckets, names, grads)
+        for p, n in names.items():
+            if sdp.param_to_rank[p] != rank or n.startswith("spare"):
+                assert p.grad is None, n
+            else:
+                assert p.grad.dtype == torch.bfloat16 and torch.equal(p.grad, delivered[n].bfloat16()), (step, n)
+        sdp.sharded_optimizers[0].step()
+    sdp.remove_hooks()
+
+
 def _behaviours(rank: int, world: int) -> dict:
     _refusals(rank, world)
+    _static_bf16_unused(rank, world)
     _no_sync_and_clip(rank, world)
     _scaler(rank, world)
     figures = {"shadow": _shadow(rank, world), "feedback": _feedback_keeps_the_sum(rank, world)}
