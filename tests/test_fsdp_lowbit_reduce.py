@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from sharded import LowBit
 from sharded._common.lowbit import codec_for
 from tests import _fsdp_reference  # noqa: F401  (preloads layer 3 in the harness's forkserver)
+from tests._exact_sums import batch_rank
 from tests._harness import run_on_ranks
 from tests._models import gpt, gpt_loss, token_batch
 
@@ -208,3 +209,142 @@ def test_reduce_scatter_lands_the_decoded_sum_within_the_bound(world_size):
         assert 0 < error < 0.05
         ratio = 1.8 if case == "bf16" else 3.5  # bytes of an element: 4 (bf16: 2) against 1 + 4 / BLOCK
         assert world_size == 1 or sent < exact / ratio, f"{case}: {sent} bytes against {exact}"
+
+
+class _Warnings(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def _steps(model, rank, steps, start=0):
+    for step in range(start, start + steps):
+        gpt_loss(model, token_batch(batch_rank(rank, dist.get_world_size()), step)).backward()
+        model.zero_grad()
+
+
+def _fallback_and_shadow_cases(rank, world):
+    # too small for the policy: sent exact (the same sums as without lowbit), warned once
+    caught = _Warnings()
+    logging.getLogger("sharded.lowbit").addHandler(caught)
+    small, ref = _shard(LowBit(grads="int8", min_numel=10**9)), _shard(None)
+    for model in (small, ref):
+        gpt_loss(model, token_batch(batch_rank(rank, world), 0)).backward()
+    for p, q in zip(small.parameters(), ref.parameters()):
+        assert torch.equal(p.grad.to_local(), q.grad.to_local())
+    assert small.lowbit_traffic.sent == small.lowbit_traffic.exact and set(small.lowbit_traffic.sent) == {"reduce_scatter"}
+    _steps(small, rank, 2, start=1)
+    assert len(caught.messages) == 1 and f"rank {rank}" in caught.messages[0]
+    assert "3 of 3 messages in the first step sent exact" in caught.messages[0] and "below 1000000000 elements" in caught.messages[0]
+    logging.getLogger("sharded.lowbit").removeHandler(caught)
+
+    # ... or refused, naming the unit and the rank
+    strict = _shard(LowBit(grads="int8", min_numel=10**9, fallback="raise"))
+    with pytest.raises(ValueError, match=f"rank {rank}: low-bit reduce_scatter cannot send blocks.1: below"):
+        gpt_loss(strict, token_batch(rank, 0)).backward()
+
+    # parameters only in low bits: the reduce-scatter is exact, its bytes counted as such
+    params_only = _shard(LowBit(params="int8", min_numel=0))
+    _steps(params_only, rank, 1)
+    traffic = params_only.lowbit_traffic
+    assert traffic.sent["reduce_scatter"] == traffic.exact["reduce_scatter"] and (traffic.exact["reduce_scatter"] > 0) == (world > 1)
+
+    # shadow checks every 2 steps: the relative error of what each rank received
+    checks = []
+    shadowed = _shard(LowBit(grads="int8", block_size=BLOCK, min_numel=0, check_every=2, on_check=checks.append))
+    _steps(shadowed, rank, 5)
+    assert [(c.step, c.collective) for c in checks] == [(0, "reduce_scatter"), (2, "reduce_scatter"), (4, "reduce_scatter")]
+    assert all(0 < c.relative_error < 0.02 and c.divergence is None for c in checks)
+    return [round(c.relative_error, 5) for c in checks]
+
+
+def _clip_and_autograd_cases(rank, world):
+    ours, ref = _shard(POLICY), _shard(None)
+    for model in (ours, ref):
+        gpt_loss(model, token_batch(rank, 0)).backward()
+    # clipping: the norm of what the optimizer sees (the low-bit gradients), not the exact ones
+    seen = torch.stack([p.grad.full_tensor().norm() for p in ours.parameters()]).norm()
+    exact = torch.stack([p.grad.full_tensor().norm() for p in ref.parameters()]).norm()
+    norm = torch.nn.utils.clip_grad_norm_(ours.parameters(), max_norm=float(seen) / 2)
+    norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+    assert torch.allclose(norm, seen, rtol=1e-6) and not torch.allclose(seen, exact, rtol=1e-7, atol=0)
+    clipped = torch.stack([p.grad.full_tensor().norm() for p in ours.parameters()]).norm()
+    assert torch.allclose(clipped, seen / 2, rtol=1e-5)
+
+    # autograd.grad over an activation: no parameter gradient, nothing reduced or encoded
+    ours.zero_grad()
+    recorder = Recorder(ours)
+    kept = {}
+    handle = ours.blocks[1].register_forward_pre_hook(lambda module, args: kept.setdefault("x", args[0]))
+    loss = gpt_loss(ours, token_batch(rank, 1))
+    (grad_x,) = torch.autograd.grad(loss, [kept["x"]])
+    handle.remove()
+    assert grad_x.abs().sum() > 0 and recorder.take() == [] and all(p.grad is None for p in ours.parameters())
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_fallbacks_shadow_checks_clipping_and_autograd_grad(world_size):
+    relative_errors = run_on_ranks(_fallback_and_shadow_cases, world_size, timeout=240)
+    print(f"world {world_size}: shadow relative errors (steps 0, 2, 4) per rank: {relative_errors}")
+    run_on_ranks(_clip_and_autograd_cases, world_size)
+
+
+def _poison_one_element(model, rank):
+    """On rank 0, make one element of one gradient of ``blocks.1`` inf in the next backward
+    (the others' gradients stay finite); returns the hook's handle."""
+    from sharded.fsdp._unit import units_under
+
+    unsharded = units_under(model.blocks[1])[0].params[2].unsharded
+
+    def poison(grad):
+        grad = grad.clone()
+        grad.view(-1)[5] = float("inf") if rank == 0 else grad.view(-1)[5]
+        return grad
+
+    return unsharded.register_hook(poison)
+
+
+def _scaler_cases(rank, world):
+    from sharded import ShardedGradScaler
+
+    for make_scaler in (lambda: ShardedGradScaler(device="cpu", init_scale=2.0**8), lambda: torch.amp.GradScaler("cpu", init_scale=2.0**8)):
+        model = _shard(POLICY)
+        feedback = _wire(model).feedback
+        scaler, opt = make_scaler(), torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            before = [p.full_tensor().clone() for p in model.parameters()]
+            handle = _poison_one_element(model, rank) if step == 1 else None
+            scaler.scale(gpt_loss(model, token_batch(rank, step))).backward()
+            if handle is not None:
+                handle.remove()
+                # every rank learned that a gradient was not finite, and dropped its residuals
+                assert len(feedback) == 0
+            else:
+                assert len(feedback) == 3 * world
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            moved = [not torch.equal(b, p.full_tensor()) for b, p in zip(before, model.parameters())]
+            assert all(moved) if step != 1 else not any(moved), f"step {step}: {moved}"
+        assert scaler.get_scale() == 2.0**8 * 0.5
+
+
+def _refusal_cases(rank, world):
+    model = _shard(POLICY)
+    model.blocks[1].set_custom_reduce_scatter(object())
+    with pytest.raises(ValueError, match=f"rank {rank}: fully_shard\\(blocks.1\\): set_custom_reduce_scatter cannot be combined with lowbit="):
+        gpt_loss(model, token_batch(rank, 0)).backward()
+    model = _shard(POLICY)
+    model.set_separate_reduce_scatter_group(True)
+    with pytest.raises(ValueError, match=f"rank {rank}: fully_shard\\(blocks.1\\): set_separate_reduce_scatter_group cannot"):
+        gpt_loss(model, token_batch(rank, 0)).backward()
+    dist.barrier()
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_gradient_scalers_skip_a_step_with_an_inf_and_every_rank_drops_its_residuals(world_size):
+    run_on_ranks(_scaler_cases, world_size)
+    run_on_ranks(_refusal_cases, world_size)
