@@ -60,6 +60,15 @@ the last one is handed over) and ``zero1_overlap_interleaved`` through
 both over torch's ``allreduce_hook`` and DDP's default buckets; compare them with ``zero1``. Their
 ``optim ms`` is what ``step()`` has left to do, nearly nothing.
 
+The low-bit rows (issue 39; ``zero1_int8``, ``zero1_fp8``, ``zero2_int8``, ``zero2_int4``,
+``zero3_int8``, ``zero3_int8_int4``, ``zero3_fp8``: benchmarks/lowbit_rows.py) build each stage with
+a ``sharded.LowBit`` mode as ``examples/train_gpt.py --lowbit`` does and report, beside the usual
+columns, the bytes one step's low-bit collectives sent against the same collectives exact (the
+wrappers' ``lowbit_traffic``); report.py puts them in a table against the exact row of the same
+stage. ``ds_zeropp_hpz`` is DeepSpeed's ZeRO++ hierarchical partitioning (``zero_hpz_partition_size``
+2); its quantised weights and gradients do not run on DeepSpeed's CPU accelerator (lowbit_rows.py
+says where they stop).
+
 The ``ds_zero1/2/3`` rows are DeepSpeed's ZeRO (``pip install -e '.[bench]'``): fp32, torch's Adam,
 ``zero_optimization.stage`` 1, 2, 3, no gradient clipping, on its CPU accelerator
 (``DS_ACCELERATOR=cpu``, set here when CUDA is absent). Its first start on a machine compiles
