@@ -98,17 +98,14 @@ def build(stage: str, model: GPT, args):
     if stage == "ddp":
         return DDP(model), torch.optim.AdamW(model.parameters(), **hyper)
     if stage == "3":  # bottom-up: each block is a unit, the model the unit for the rest
-        shard = {"lowbit": lowbit["fully_shard"]} if args.lowbit is not None else {}
         for block in model.blocks:
-            fully_shard(block, **shard)
-        fully_shard(model, **shard)
+            fully_shard(block, lowbit=lowbit["fully_shard"])
+        fully_shard(model, lowbit=lowbit["fully_shard"])
         return model, torch.optim.AdamW(model.parameters(), **hyper)  # built after sharding
-    broadcast = {"lowbit": lowbit["OSS"]} if args.lowbit is not None else {}
-    optimizer = OSS(model.parameters(), torch.optim.AdamW, **hyper, **broadcast)
+    optimizer = OSS(model.parameters(), torch.optim.AdamW, lowbit=lowbit["OSS"], **hyper)
     if stage == "1":
         return DDP(model), optimizer
-    reduce = {"lowbit": lowbit["ShardedDataParallel"]} if args.lowbit is not None else {}
-    return ShardedDataParallel(model, optimizer, **reduce), optimizer
+    return ShardedDataParallel(model, optimizer, lowbit=lowbit["ShardedDataParallel"]), optimizer
 
 
 def stage_lowbit(stage: str, policy: Optional[LowBit]) -> dict[str, Optional[LowBit]]:
