@@ -38,7 +38,8 @@ MODE_OF = {"zero1_int8": "int8-params", "zero1_fp8": "fp8-params", "zero2_int8":
 # "ValueError: This op had not been implemented on CPU backend.") and zero_quantized_gradients
 # (qgZ) stops the same way in the first backward (all_to_all_quant_reduce loads the same builder):
 # their quantisation kernels are CUDA sources (csrc/quantization). At world 2 hpZ's secondary
-# partition of 2 ranks is the whole world: each rank keeps a full secondary copy of the parameters.
+# group of 2 ranks is the whole world: the backward's gather reaches the same ranks as the
+# forward's, so the row shows hpZ's own bookkeeping, not the saving it makes across nodes.
 ZEROPP = {"ds_zeropp_hpz": {"zero_hpz_partition_size": 2}}
 ZEROPP_NAMES = {"ds_zeropp_hpz": "DeepSpeed ZeRO++ hpZ (partition 2)"}
 # the exact row of the same stage each low-bit row is measured against
