@@ -596,7 +596,7 @@ def timing_rank(rank, world, args, store_path, results_path):
             exact = impl != "ideal" and common
             diff = max((named[n] - reference[n]).abs().max().item() for n in common) if exact else float("nan")
             ddp_bytes = 0.0
-            if impl in ("ddp", "torch_zero", "zero1", "ddp_muon", "zero1_accum"):  # DDP's C++ all-reduce of every gradient
+            if impl in ("ddp", "torch_zero", "zero1", "ddp_muon", "zero1_accum", "zero1_int8", "zero1_fp8"):  # DDP's C++ all-reduce of every gradient
                 ddp_bytes = sum(p.numel() * p.element_size() for p in named.values()) * 2 * (world - 1) / world
             overlap, early_bytes = (statistics.mean(gather(statistics.median(xs[impl]), device)) if xs[impl] else None
                                     for xs in (overlaps, overlap_bytes))
