@@ -120,6 +120,7 @@ def plot(results: dict, path: Path) -> None:
     except ImportError:
         return
     fig, axes = plt.subplots(1, len(results), figsize=(7 * len(results), 4.5), squeeze=False)
+    names = sorted({mode for modes in results.values() for mode in modes if mode != "off"})
     for ax, (world, modes) in zip(axes[0], results.items()):
         for mode, stages in modes.items():
             if mode == "off":
@@ -128,7 +129,8 @@ def plot(results: dict, path: Path) -> None:
                 if stage not in modes.get("off", {}):
                     continue
                 reference = modes["off"][stage]["loss"]
-                ax.plot([a - b for a, b in zip(curve["loss"], reference)], linewidth=0.8, label=f"{mode}, stage {stage}")
+                ax.plot([a - b for a, b in zip(curve["loss"], reference)], linewidth=0.7, color=f"C{names.index(mode) % 10}",
+                        linestyle={"1": ":", "2": "--", "3": "-"}[stage], label=f"{mode}, stage {stage}")
         ax.axhline(0.0, color="grey", linewidth=0.6)
         ax.set_title(f"world {world}: loss minus the exact run's, per step")
         ax.set_xlabel("step")
