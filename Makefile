@@ -53,8 +53,9 @@ MUON := ddp_muon,zero2_muon,fsdp2_muon,zero3_muon
 # The invariant mode (sharded.invariant.MicroBatches) against the usual accumulation, per stage, 8 micro-batches;
 # turns of one step, since its table pairs each invariant step with its default row's step of the same round
 ACCUMULATION := zero1_accum,zero1_invariant,zero2_accum,zero2_invariant,zero3_accum,zero3_accum_nosync,zero3_invariant
-# Low-bit communication (issue 39): each stage's modes against the same stage exact and DDP, and the codecs' throughput
-LOWBIT := ddp,zero1,zero1_int8,zero1_fp8,zero2,zero2_int8,zero2_int4,zero3,zero3_int8,zero3_int8_int4,zero3_fp8
+# Low-bit communication (issue 39): each stage's modes against the same stage exact and DDP, DeepSpeed ZeRO++ (hpZ: its
+# quantised weights and gradients do not run on its CPU accelerator), and the codecs' throughput
+LOWBIT := ddp,zero1,zero1_int8,zero1_fp8,zero2,zero2_int8,zero2_int4,zero3,zero3_int8,zero3_int8_int4,zero3_fp8,ds_zero3,ds_zeropp_hpz
 bench: $(VENV)/.bench-installed
 	$(BIN)/python benchmarks/bench.py --impls $(LAYERS_12) --zero-worlds '' --out bench_out/layers12
 	$(BIN)/python benchmarks/bench.py --impls $(LAYER_3) --out bench_out/layer3
