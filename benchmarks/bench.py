@@ -60,6 +60,15 @@ the last one is handed over) and ``zero1_overlap_interleaved`` through
 both over torch's ``allreduce_hook`` and DDP's default buckets; compare them with ``zero1``. Their
 ``optim ms`` is what ``step()`` has left to do, nearly nothing.
 
+The low-bit rows (issue 39; ``zero1_int8``, ``zero1_fp8``, ``zero2_int8``, ``zero2_int4``,
+``zero3_int8``, ``zero3_int8_int4``, ``zero3_fp8``: benchmarks/lowbit_rows.py) build each stage with
+a ``sharded.LowBit`` mode as ``examples/train_gpt.py --lowbit`` does and report, beside the usual
+columns, the bytes one step's low-bit collectives sent against the same collectives exact (the
+wrappers' ``lowbit_traffic``); report.py puts them in a table against the exact row of the same
+stage. ``ds_zeropp_hpz`` is DeepSpeed's ZeRO++ hierarchical partitioning (``zero_hpz_partition_size``
+2); its quantised weights and gradients do not run on DeepSpeed's CPU accelerator (lowbit_rows.py
+says where they stop).
+
 The ``ds_zero1/2/3`` rows are DeepSpeed's ZeRO (``pip install -e '.[bench]'``): fp32, torch's Adam,
 ``zero_optimization.stage`` 1, 2, 3, no gradient clipping, on its CPU accelerator
 (``DS_ACCELERATOR=cpu``, set here when CUDA is absent). Its first start on a machine compiles
@@ -98,6 +107,7 @@ from accumulation import (  # noqa: E402  (benchmarks/accumulation.py: the invar
     ACCUMULATION, ACCUMULATION_HEAD, DEFAULT_OF, MICRO_BATCHES_ENV, AccumulatedSteps, accumulation_cells,
     accumulation_rows, build_accumulation, reference_invariant,
 )
+from lowbit_rows import LOWBIT, ZEROPP, ZEROPP_NAMES, build_lowbit, lowbit_bytes  # noqa: E402  (benchmarks/lowbit_rows.py: issue 39's rows)
 
 IMPLS = {
     "ideal": "ideal: no communication, 1/N step",
@@ -128,6 +138,8 @@ IMPLS = {
     "fsdp2_muon": "torch fully_shard + Muon on shards",
     "zero3_muon": "sharded fully_shard, Owned() + Muon",
     **ACCUMULATION,
+    **LOWBIT,
+    **ZEROPP_NAMES,
 }
 SHORT_NAMES = {"ddp": "DDP", "torch_zero": "torch ZeRO\n+ DDP", "fairscale": "fairscale\nOSS + SDP",
                "zero1": "sharded\nOSS + DDP", "zero2": "sharded\nOSS + SDP",
@@ -142,7 +154,7 @@ SHORT_NAMES = {"ddp": "DDP", "torch_zero": "torch ZeRO\n+ DDP", "fairscale": "fa
                "fsdp2_compile": "torch FSDP2\ncompiled", "zero3_compile": "sharded ZeRO-3\ncompiled",
                "ddp_muon": "DDP\nMuon", "zero2_muon": "sharded ZeRO-2\nMuon", "fsdp2_muon": "torch FSDP2\nMuon",
                "zero3_muon": "sharded ZeRO-3\nOwned + Muon",
-               **{impl: name.replace(", ", "\n") for impl, name in ACCUMULATION.items()}}
+               **{impl: name.replace(", ", "\n") for impl, name in {**ACCUMULATION, **LOWBIT, **ZEROPP_NAMES}.items()}}
 # The Muon rows: torch.optim.Muon over the blocks' matrices, Adam over the rest (embeddings, head,
 # norms, biases), each compared with DDP + the same two optimizers
 MUON = {"ddp_muon", "zero2_muon", "fsdp2_muon", "zero3_muon"}
@@ -150,14 +162,14 @@ MUON_LR = 0.02
 # which ZeRO stage each implementation is, for the bytes-per-parameter table
 STAGES = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}
 # DeepSpeed's rows (the `bench` extra) and their zero_optimization.stage
-DEEPSPEED = {"ds_zero1": 1, "ds_zero2": 2, "ds_zero3": 3}
+DEEPSPEED = {"ds_zero1": 1, "ds_zero2": 2, "ds_zero3": 3, **{impl: 3 for impl in ZEROPP}}
 # "-short" sizes run 32 tokens per rank: the step is then optimizer and communication work, as it is
 # when an accelerator makes the matrix work cheap, and that is where the implementations differ.
 SIZES = {"10m": dict(dim=384, layers=6, batch=8, seq=128), "40m": dict(dim=640, layers=8, batch=4, seq=128),
          "40m-short": dict(dim=640, layers=8, batch=1, seq=32)}
 COLLECTIVES = {"all_reduce": 2, "reduce": 1, "broadcast": 1, "all_gather": 1, "all_gather_into_tensor": 1,
                "all_gather_single": 1, "reduce_scatter": 1, "reduce_scatter_tensor": 1, "reduce_scatter_single": 1,
-               "all_to_all_single": 1, "send": None, "recv": None}
+               "all_to_all_single": 1, "gather": 1, "send": None, "recv": None}
 # the argument holding the full-size tensor, where it is not the first: a reduce-scatter's input
 FULL_SIZE_ARG = {"reduce_scatter": (1, "input_list"), "reduce_scatter_tensor": (1, "input"),
                  "reduce_scatter_single": (1, "input"), "all_to_all_single": (1, "input")}
@@ -189,6 +201,8 @@ def build(impl: str, model: nn.Module):
         return build_accumulation(impl, model, LR)
     if impl in MUON:
         return build_muon(impl, model)
+    if impl in LOWBIT:
+        return build_lowbit(impl, model, LR)
     if impl == "zero2_unused":  # defined last: the first gradient the initial reduce order expects
         model.unused = nn.Linear(model.head.in_features, model.head.in_features).to(model.head.weight.device)
     if impl.startswith(("fsdp", "zero3")):
@@ -334,7 +348,7 @@ def build_deepspeed(impl: str, model: nn.Module):
     os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))  # asserted by DeepSpeed; one host here
     # it calls torch's all_gather_into_tensor / reduce_scatter_tensor, deprecated in 2.13, once per bucket
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)`")
-    zero: dict = {"stage": DEEPSPEED[impl]}
+    zero: dict = {"stage": DEEPSPEED[impl], **ZEROPP.get(impl, {})}
     if zero["stage"] == 3:  # True would replace F.linear process-wide: every row's round-off would change
         zero["memory_efficient_linear"] = False
     # gradient_clipping: DeepSpeed 0.19 clips to norm 1.0 unless told otherwise; no other row clips
@@ -383,7 +397,7 @@ def full_named_params(impl: str, wrapped: nn.Module, model: nn.Module) -> dict[s
 
         with FSDP1.summon_full_params(wrapped):
             return {name: p.detach().clone() for name, p in model.named_parameters()}
-    if impl == "ds_zero3":
+    if DEEPSPEED.get(impl) == 3:
         import deepspeed
 
         with deepspeed.zero.GatheredParameters(list(model.parameters())):
@@ -582,7 +596,7 @@ def timing_rank(rank, world, args, store_path, results_path):
             exact = impl != "ideal" and common
             diff = max((named[n] - reference[n]).abs().max().item() for n in common) if exact else float("nan")
             ddp_bytes = 0.0
-            if impl in ("ddp", "torch_zero", "zero1", "ddp_muon", "zero1_accum"):  # DDP's C++ all-reduce of every gradient
+            if impl in ("ddp", "torch_zero", "zero1", "ddp_muon", "zero1_accum", "zero1_int8", "zero1_fp8"):  # DDP's C++ all-reduce of every gradient
                 ddp_bytes = sum(p.numel() * p.element_size() for p in named.values()) * 2 * (world - 1) / world
             overlap, early_bytes = (statistics.mean(gather(statistics.median(xs[impl]), device)) if xs[impl] else None
                                     for xs in (overlaps, overlap_bytes))
@@ -601,6 +615,7 @@ def timing_rank(rank, world, args, store_path, results_path):
                 "params": sum(p.numel() for p in named.values()),
                 "param_bytes": gather(held_param_bytes(setups[impl][0]), device),
                 "param_digest": digest(named),
+                "lowbit_bytes": lowbit_bytes(setups[impl][0], setups[impl][1]),
                 **median_phases(phases[impl]),
             }
         compare_accumulation(report[size], accumulated)

@@ -23,6 +23,9 @@ One process, world 1 (NCCL on CUDA, gloo on the CPU), the example's GPT and Adam
 * ``compile``: one block ``.compile()``-d in a ZeRO-3 model (inductor on CUDA; on the CPU
   ``aot_eager``: inductor's C++ build of this block took 69 s on a 2-core CI machine) trains as
   the eager model does (SGD: within ``COMPILE_ATOL``).
+* ``lowbit_kernels``: the low-bit codecs' encode and decode GB/s per format on the device
+  (benchmarks/lowbit_kernels.py, the same torch functions as on the CPU); passes when every
+  decoded element is within the codec's stated bound.
 * ``device_tests`` (with ``--device-tests``): the device-agnostic tests' junit XML, folded in.
 
 Each check catches its own exception and records it as a failure; the exit status is 1 when any
@@ -426,6 +429,18 @@ def check_compile(ctx: Context) -> Outcome:
     return Outcome(gap <= COMPILE_ATOL and loss_gap <= COMPILE_ATOL, figures, notes)
 
 
+def check_lowbit_kernels(ctx: Context) -> Outcome:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from lowbit_kernels import kernel_rows
+
+    sizes = {"cuda": [2**20, 2**24], "cpu": [2**16]}[ctx.device.type]
+    rows = kernel_rows(ctx.device, sizes, 256, ctx.size.reps)
+    figures = {f"{r['format']} {r['numel']}": {k: round(r[k], 3) if isinstance(r[k], float) else r[k]
+                                               for k in ("encode_gbps", "decode_gbps", "break_even_gbps", "within_bound")} for r in rows}
+    return Outcome(all(r["within_bound"] for r in rows), figures,
+                   ["GB/s of float32 values; break-even: the link bandwidth below which encode + decode + fewer bytes beat exact bytes"])
+
+
 CHECKS: dict[str, Callable[[Context], Outcome]] = {
     "stages": check_stages,
     "unit_overhead": check_unit_overhead,
@@ -433,6 +448,7 @@ CHECKS: dict[str, Callable[[Context], Outcome]] = {
     "memory_estimate": check_memory_estimate,
     "offload": check_offload,
     "compile": check_compile,
+    "lowbit_kernels": check_lowbit_kernels,
 }
 
 

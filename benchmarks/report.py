@@ -8,7 +8,10 @@ compare them with torch's FSDP2, one that holds the Muon rows the Muon table (ag
 and FSDP2 + Muon, the optimizer step beside the whole step), one that holds the gradient
 accumulation rows the invariant mode's table (each ``*_invariant`` row against its stage's
 default accumulation: step, bytes sent and peak, where the step's time went, and whether the
-parameters are the same bits), and its ``zero_memory`` section becomes the bytes-per-parameter table.
+parameters are the same bits), one that holds the low-bit rows the low-bit table (each against its
+stage's exact row: step, peak, bytes per step; benchmarks/lowbit_rows.py), one written by
+``lowbit_kernels.py`` the codecs' throughput and the break-even, and its ``zero_memory`` section
+becomes the bytes-per-parameter table.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import sys
 from pathlib import Path
 
 from accumulation import ACCUMULATION_HEAD, accumulation_cells, accumulation_rows
+import lowbit_kernels
+from lowbit_rows import LOWBIT_HEAD, lowbit_cells, lowbit_rows
 from bench import IMPLS, MUON, SAME_STRATEGY, STAGES, peak_of, ratios_to_ideal, sent_per_model, zero_formula
 
 LAYER_3 = {"fsdp2", "fsdp2_no_reshard", "fsdp1", "zero3", "zero3_grad_op", "ds_zero3", "fsdp2_compile", "zero3_compile"}
@@ -105,6 +110,11 @@ def size_tables(report: dict, world: int, micro_batches: int | None = None) -> s
             parts.append(f"### {size} ({params:.1f}M parameters), world {world}, {micro_batches} micro-batches per step\n\n"
                          + markdown(ACCUMULATION_HEAD, body))
             continue
+        if lowbit_rows(rows):
+            body = [lowbit_cells(i, rows, IMPLS[i], peak_of) for i in lowbit_rows(rows)]
+            parts.append(f"### {size} ({params:.1f}M parameters), low-bit communication, world {world}\n\n"
+                         + markdown(LOWBIT_HEAD, body))
+            continue
         if "ddp_muon" in rows:
             body = [muon_row(i, r, rows, world) for i, r in rows.items() if i in MUON]
             parts.append(f"### {size} ({params:.1f}M parameters), Muon\n\n" + markdown(MUON_HEAD, body))
@@ -135,6 +145,9 @@ def zero_table(zero: dict) -> str:
 def main() -> None:
     for path in sys.argv[1:]:
         run = json.loads(Path(path).read_text())
+        if "kernels" in run:  # lowbit_kernels.py's report
+            print(f"<!-- {run['meta']} -->\n\n{lowbit_kernels.markdown(run)}\n")
+            continue
         print(f"<!-- {run['meta']} -->\n")
         print(size_tables(run["results"], run["meta"]["world"], run["meta"].get("micro_batches")))
         if run.get("zero_memory"):

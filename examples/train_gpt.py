@@ -5,6 +5,7 @@
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --stage 2 --resume
     torchrun --standalone --nproc-per-node 2 --max-restarts 3 examples/train_gpt.py --stage 2 --resume
     torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --stage 3 --invariant --micro-batches 8
+    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --stage 1,2,3 --lowbit int8
 
 Stages, on the same model code: ``ddp`` = DDP + AdamW; ``1`` = DDP + ``sharded.OSS(AdamW)``
 (optimizer state sharded); ``2`` = ``sharded.ShardedDataParallel`` + ``OSS`` (gradients sharded
@@ -30,6 +31,15 @@ saved at one world size and resumed at another. On the CPU each rank then uses `
 intra-op threads (default 1) whatever the world size, since a matrix product's bits depend on how
 it is split over threads; on CUDA deterministic algorithms are switched on.
 
+``--lowbit MODE`` sends parameters and/or gradients in fewer bits (a mode of ``sharded.LowBit.mode``:
+``int8``, ``int4-grads``, ``fp8``...; ``off`` sends everything exact and prints the same lines):
+stage 1 gives the mode's parameter format to ``OSS`` (its broadcast of updated parameters), stage 2
+its gradient format to ``ShardedDataParallel`` (the reduce to each owner) and its parameter format
+to ``OSS``, stage 3 both to ``fully_shard`` (its all-gathers and reduce-scatters). A stage that
+would send nothing in fewer bits under the mode (``ddp``; stage 1 with a gradients-only mode) is
+refused. Rank 0 prints one line a step: the loss, every digit, and the bytes it sent in that step's
+low-bit collectives beside what the same collectives send exact (``lowbit_traffic``).
+
 On GPUs the same script uses NCCL, one rank per GPU (``--nproc-per-node`` = GPUs per node). Across
 machines use torchrun's usual rendezvous instead of ``--standalone``, on every node::
 
@@ -51,6 +61,7 @@ import signal
 import sysconfig
 import time
 from pathlib import Path
+from dataclasses import replace
 from typing import Any, Optional
 
 import torch
@@ -61,7 +72,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from gpt import GPT, next_token_loss  # examples/gpt.py, beside this script
 from peak_memory import DataPeak
 import sharded
-from sharded import OSS, ShardedDataParallel, ShardedGradScaler, checkpoint, fully_shard
+from sharded import OSS, LowBit, ShardedDataParallel, ShardedGradScaler, checkpoint, fully_shard
 from sharded.invariant import MicroBatches
 
 VOCAB = 256  # bytes
@@ -81,17 +92,51 @@ def sample(data: torch.Tensor, generator: torch.Generator, batch: int, seq: int,
 
 
 def build(stage: str, model: GPT, args):
-    """(wrapped model, optimizer) for a stage."""
+    """(wrapped model, optimizer) for a stage, with ``--lowbit``'s policy where the stage sends it."""
     hyper = dict(lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
+    lowbit = stage_lowbit(stage, args.lowbit)
     if stage == "ddp":
         return DDP(model), torch.optim.AdamW(model.parameters(), **hyper)
     if stage == "3":  # bottom-up: each block is a unit, the model the unit for the rest
         for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, lowbit=lowbit["fully_shard"])
+        fully_shard(model, lowbit=lowbit["fully_shard"])
         return model, torch.optim.AdamW(model.parameters(), **hyper)  # built after sharding
-    optimizer = OSS(model.parameters(), torch.optim.AdamW, **hyper)
-    return (DDP(model) if stage == "1" else ShardedDataParallel(model, optimizer)), optimizer
+    optimizer = OSS(model.parameters(), torch.optim.AdamW, lowbit=lowbit["OSS"], **hyper)
+    if stage == "1":
+        return DDP(model), optimizer
+    return ShardedDataParallel(model, optimizer, lowbit=lowbit["ShardedDataParallel"]), optimizer
+
+
+def stage_lowbit(stage: str, policy: Optional[LowBit]) -> dict[str, Optional[LowBit]]:
+    """What each wrapper of ``stage`` is given under ``policy``: ``OSS`` broadcasts parameters
+    (stages 1 and 2), ``ShardedDataParallel`` reduces gradients (stage 2), ``fully_shard`` does both
+    (stage 3). A wrapper whose collective the policy leaves exact gets ``None``."""
+    if policy is None:
+        return {"OSS": None, "ShardedDataParallel": None, "fully_shard": None}
+    params = replace(policy, grads=None) if policy.params is not None else None
+    grads = replace(policy, params=None) if policy.grads is not None else None
+    return {"OSS": params, "ShardedDataParallel": grads, "fully_shard": policy}
+
+
+def lowbit_refusal(stage: str, policy: Optional[LowBit]) -> Optional[str]:
+    """Why ``stage`` cannot run ``policy`` (``None`` when it can): a stage that would send nothing
+    in fewer bits would print exact bytes under a low-bit name."""
+    if policy is None:
+        return None
+    if stage == "ddp":
+        return "--lowbit: the ddp stage's all-reduce has no low-bit path (stages 1, 2 and 3 have)"
+    if stage == "1" and policy.params is None:
+        return f"--lowbit: stage 1 sends only parameters (OSS's broadcast) and this mode sends only gradients in fewer bits ({policy})"
+    return None
+
+
+def lowbit_traffic(wrapped: Any, optimizer: Any) -> tuple[int, int]:
+    """(bytes sent, bytes the same collectives send exact) by this rank in the last step: ``OSS``'s
+    broadcasts and ``ShardedDataParallel``'s reduces, or the root ``fully_shard`` module's gathers
+    and reduce-scatters (its ``lowbit_traffic`` sums its units'). ``None`` where a policy is off."""
+    steps = [t for t in (getattr(s, "lowbit_traffic", None) for s in (optimizer, wrapped)) if t is not None]
+    return sum(t.sent_bytes for t in steps), sum(t.exact_bytes for t in steps)
 
 
 @torch.no_grad()
@@ -170,6 +215,9 @@ def train_stage(stage: str, args, device, train: torch.Tensor, val: torch.Tensor
         progress.update()
         if micro_batches is not None and rank == 0:  # every digit, to compare runs at other world sizes
             progress.write(f"stage {stage} step {step + 1} loss {loss:.7f}")
+        elif args.lowbit_name is not None and rank == 0:  # every digit, to compare with the exact run (--lowbit off)
+            sent, exact = lowbit_traffic(wrapped, optimizer)
+            progress.write(f"stage {stage} step {step + 1} loss {loss:.7f} sent {sent} bytes exact {exact} bytes")
         tick = now
         if checkpoint_due(step + 1, args):
             peak = peak_meter.rise() if peak is None else peak  # the steps' peak, not the checkpoint writer's
@@ -393,7 +441,21 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="with --invariant: micro-batches per step, a power of two dividing --batch")
     parser.add_argument("--threads", type=int, default=None,
                         help="intra-op threads per rank on the CPU (default: the cores shared out; 1 with --invariant)")
+    parser.add_argument("--lowbit", default=None, metavar="MODE",
+                        help="send parameters/gradients in fewer bits: a sharded.LowBit.mode name (int8, int4-grads, fp8...) or off")
     args = parser.parse_args(argv)
+    args.lowbit_name, args.lowbit = args.lowbit, None  # the name as given; the policy (None: off)
+    if args.lowbit_name not in (None, "off"):
+        try:
+            args.lowbit = LowBit.mode(args.lowbit_name)
+        except ValueError as error:
+            parser.error(f"--lowbit: {error}")
+    for stage in args.stage.split(","):
+        refusal = lowbit_refusal(stage, args.lowbit)
+        if refusal is not None:
+            parser.error(refusal)
+    if args.lowbit is not None and args.invariant:
+        parser.error("--lowbit with --invariant: the invariant mode promises the same bits at every world size, which rounding the messages breaks")
     if args.save_every < 0:
         parser.error(f"--save-every must be 0 (save at the end only) or a number of steps, got {args.save_every}")
     check_invariant_arguments(parser, args)
