@@ -97,6 +97,12 @@ def _refusal_cases(rank, world):
     with pytest.raises(ValueError, match=f"rank {rank}: fully_shard\\(Linear\\): lowbit=.* parameter weight: .*all-gather extension"):
         fully_shard(layer, lowbit=policy)
 
+    # a policy that sends nothing, or asks what the gathers cannot do, acts or raises
+    with pytest.raises(ValueError, match=f"rank {rank}: fully_shard\\(Linear\\): lowbit=.* sends nothing in fewer bits"):
+        fully_shard(nn.Linear(4, 4), lowbit=LowBit())
+    with pytest.raises(ValueError, match=f"rank {rank}: fully_shard\\(Linear\\): lowbit=.* error_feedback=False has no effect"):
+        fully_shard(nn.Linear(4, 4), lowbit=LowBit(params="int8", error_feedback=False))
+
     # a custom all-gather would replace the low-bit one; with grads only it is the plain gather
     module = fully_shard(nn.Linear(4, 4), lowbit=policy)
     with pytest.raises(ValueError, match=f"rank {rank}: set_custom_all_gather on fully_shard\\(Linear\\)"):

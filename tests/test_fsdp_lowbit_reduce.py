@@ -70,9 +70,9 @@ class Recorder:
             self.calls.append({"layout": layout})
             return sent, layout
 
-        def sending(codec, name, flat):
+        def sending(codec, name, flat, **kwargs):
             self.calls[-1].update(name=name, flat=flat.clone(), residuals=dict(wire.feedback.state_dict()))
-            return send(codec, name, flat)
+            return send(codec, name, flat, **kwargs)
 
         _reduction.pack_gradients, wire.reduce_scatter = packing, sending
 
@@ -368,6 +368,34 @@ def _refusal_cases(rank, world):
     exact_grads.set_separate_reduce_scatter_group(True)
     _steps(exact_grads, rank, 1)
     dist.barrier()
+
+
+def _swapped_trainability_case(rank, world):
+    """Freeze one matrix and unfreeze another of its shape in the same unit: the packed row has the
+    same length, and must not take the other parameter's residual."""
+    from torch import nn
+
+    from sharded import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64, bias=False), nn.Linear(64, 64, bias=False))
+    model[1].weight.requires_grad_(False)
+    fully_shard(model, lowbit=LowBit(grads="int4", min_numel=0, block_size=64))
+    wire = _wire(model)
+    model(torch.randn(4, 64)).pow(2).sum().backward()
+    before = set(wire.feedback.state_dict())
+    model[0].weight.requires_grad_(False)
+    model[1].weight.requires_grad_(True)
+    model[0].weight.grad = None
+    model(torch.randn(4, 64)).pow(2).sum().backward()
+    after = set(wire.feedback.state_dict()) - before
+    assert before and after and len(after) == len(before), (before, after)
+    dist.barrier()
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_row_of_other_parameters_takes_no_residual_of_another(world_size):
+    run_on_ranks(_swapped_trainability_case, world_size)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])

@@ -8,7 +8,7 @@ gradients split otherwise and no rank's residual fits: they are dropped with a l
 how many, and every message starts without one (the rounding of one step is lost, no more).
 
 Two wrappers keep residuals: ``ShardedDataParallel`` (one store, keyed by bucket) and a
-``fully_shard`` model (one store per wire its units share, keyed ``<unit's module path>[r]``:
+``fully_shard`` model (one store per wire its units share, keyed ``<unit's module path> (<n> params, <checksum of their names>)[r]``:
 :class:`_UnitResiduals` gathers them under the same entry).
 """
 
@@ -53,7 +53,12 @@ class _UnitResiduals:
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         for wire, units in self._wires:
-            wire.feedback.load_state_dict({key: value for key, value in state.items() if key.rpartition("[")[0] in units})
+            wire.feedback.load_state_dict({key: value for key, value in state.items() if _unit_of(key) in units})
+
+
+def _unit_of(key: str) -> str:
+    """The unit path of a residual's name, ``"<unit path> (<n> params, <checksum>)[<row>]"``."""
+    return key.rpartition("[")[0].rpartition(" (")[0]
 
 
 def _residual_store(model: nn.Module) -> Optional[tuple[Union[ErrorFeedback, _Residuals], int, int]]:

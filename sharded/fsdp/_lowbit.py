@@ -31,6 +31,11 @@ def check_scope(lowbit: Any, where: str, info: Any, params: Sequence[Any], offlo
         return None
     if not isinstance(lowbit, LowBit):
         raise TypeError(on_rank(f"{where}: lowbit must be a sharded.LowBit or None, got {type(lowbit).__name__}"))
+    if not lowbit.active:
+        raise ValueError(on_rank(f"{where}: lowbit={lowbit!r} sends nothing in fewer bits; set params and/or grads, or pass lowbit=None"))
+    if lowbit.grads is None and not lowbit.error_feedback:
+        raise ValueError(on_rank(f"{where}: lowbit={lowbit!r}: error_feedback=False has no effect without grads "
+                                 "(the parameters' gathers keep no residual); leave it at its default"))
     refused = [why for why, asked in (
         ("on a 2-D mesh (hybrid sharding); low-bit gathers and reductions run on a 1-D mesh", info.mesh.ndim != 1),
         ("on an SPMD mesh (dp_mesh_dims)", info.spmd is not None),

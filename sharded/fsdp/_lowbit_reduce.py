@@ -3,7 +3,7 @@
 A unit's packed gradients (:func:`._flat_buffers.pack_gradients`: ``W`` rows, row ``r`` what rank
 ``r`` keeps) go through the wire's reduce-scatter (:meth:`LowBitWire.reduce_scatter`): every row
 is encoded in the policy's format, under error feedback with this rank's residual for that row
-(keyed ``<unit's module path>[r]``, so a rebuilt model finds its residuals again), exchanged
+(keyed ``<unit's module path> (<n> params, <checksum>)[r]``: a rebuilt model finds its residuals again, a row holding other parameters does not take them), exchanged
 all-to-all, decoded and summed in float32 in rank order on the receiver: ZeRO++'s qgZ in one hop.
 What follows is the exact path's: the op its reduce-scatter would have applied (``AVG``: the
 float32 sum divided by ``W``; the pre- and post-division of ``gradient_divide_factor`` and
@@ -50,8 +50,9 @@ class GradientWire:
     """What a unit's reduction needs of its low-bit wire: the wire, and the unit's name (the
     message name its residuals are kept under)."""
 
-    def __init__(self, wire: LowBitWire, unit_name: str) -> None:
+    def __init__(self, wire: LowBitWire, unit_name: str, row_key: Optional[str] = None) -> None:
         self.wire, self.unit_name = wire, unit_name
+        self.row_key = row_key or unit_name  # what the residuals are kept under (the unit and its row's parameters)
 
     @property
     def sends_grads(self) -> bool:
@@ -82,6 +83,7 @@ class LowBitReduceScatter:
             total = self._pending.wait()
             assert total is not None  # a reduce-scatter delivers to every rank
             self._row = _as_exact_would(total, self._sentinel, self._average_over, self._dtype, self._wire)
+            self._pending = None  # type: ignore[assignment]  # its buffers go now, not with the reduction
         return self._row
 
 
@@ -119,14 +121,14 @@ def start_gradient_reduce_scatter(
     if codec is None:
         lowbit.count_exact(sent, world)
         return start_reduce_scatter(sent, group, world, plan.scatter_op)
-    return _start_low_bit(wire, codec, lowbit.unit_name, rows, sentinel, plan, world)
+    return _start_low_bit(wire, codec, lowbit.row_key, rows, sentinel, plan, world)
 
 
 def _start_low_bit(wire: LowBitWire, codec: Codec, name: str, rows: torch.Tensor, sentinel: int, plan: DivisionPlan,
                    world: int) -> LowBitReduceScatter:
     low, high = torch.aminmax(rows)
     rows[:, sentinel] = low.float() * 0 + high.float() * 0  # NaN exactly when some value is inf or NaN
-    pending = wire.reduce_scatter(codec, name, rows.reshape(-1))
+    pending = wire.reduce_scatter(codec, name, rows.reshape(-1), checked_numel=sentinel)
     average_over = world if plan.scatter_op == dist.ReduceOp.AVG else None
     return LowBitReduceScatter(pending, sentinel, average_over, rows.dtype, wire)
 

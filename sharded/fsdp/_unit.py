@@ -15,6 +15,7 @@ its model is data: the :class:`~._settings.StepContext`.
 from __future__ import annotations
 
 import enum
+import zlib
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -341,11 +342,16 @@ class Unit:
         if not sending:
             return None
         dtype = self.reduce_dtype_for(trainable, grads)
-        return lambda: self.reducer.start(trainable, grads, dtype, self.labels, self._gradient_wire())
+        return lambda: self.reducer.start(trainable, grads, dtype, self.labels, self._gradient_wire(trainable))
 
-    def _gradient_wire(self) -> Optional[GradientWire]:
-        """The low-bit wire the gradients go through, named for their residuals by the unit's path."""
-        return GradientWire(self.lowbit_wire, self.module_name) if self.lowbit_wire is not None else None
+    def _gradient_wire(self, trainable: list[ShardedParam]) -> Optional[GradientWire]:
+        """The low-bit wire the gradients go through. Their residuals are named by the unit's path
+        and a checksum of the parameters in the row: a row of the same length holding other
+        parameters (one frozen, another of its shape unfrozen) never takes their residuals."""
+        if self.lowbit_wire is None:
+            return None
+        digest = zlib.crc32("\n".join(sp.fqn for sp in trainable).encode())
+        return GradientWire(self.lowbit_wire, self.module_name, f"{self.module_name} ({len(trainable)} params, {digest:08x})")
 
     def _check_unused_can_land(self, trainable: list[ShardedParam]) -> None:
         """``set_reduce_scatter_unused_params(True)`` sends zeros for a parameter without a

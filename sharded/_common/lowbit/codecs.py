@@ -17,7 +17,9 @@ The formats and the bound each one keeps, per element ``x`` of a block whose lar
   larger of half a unit in the last place and half the subnormal spacing.
 
 Each bound holds up to float32 arithmetic (the division and multiplication by the scale round
-once each), which :meth:`Codec.error_bound` adds as ``2**-22 * absmax``. Symmetric scales keep
+once each), which :meth:`Codec.error_bound` adds as ``2**-22 * absmax``. A block whose largest
+magnitude is so small (below about ``1e-36``) that its float32 scale underflows to zero arrives as
+zeros: its bound is ``absmax`` (flushed, never made larger). Symmetric scales keep
 zero exact, so a block of zeros (padding, frozen rows) costs nothing. A block holding ``inf`` or
 ``NaN`` decodes to ``NaN`` in every element: an overflow is never rounded into a finite number
 (the gradient scaler's check sees it).
@@ -83,7 +85,9 @@ class Codec:
         """Per element of ``x``, the largest ``|decode(encode(x)) - x|`` the format allows (float32)."""
         blocks = _padded(x, block_size)
         absmax = blocks.abs().amax(dim=1, keepdim=True)
-        bound = self._bound(blocks.abs(), absmax / self.levels) + _FP32_SLACK * absmax
+        scale = absmax / self.levels
+        bound = self._bound(blocks.abs(), scale) + _FP32_SLACK * absmax
+        bound = torch.where(scale == 0, absmax, bound)  # a block below ~1e-36: its scale underflows, it arrives as zeros
         return bound.reshape(-1)[: x.numel()]
 
     # per-format parts

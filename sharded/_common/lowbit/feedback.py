@@ -34,8 +34,8 @@ class ErrorFeedback:
         longer matches ``x`` (the wrapper was rebuilt with other buckets) is dropped."""
         meant = x.detach().reshape(-1).float()
         residual = self._residuals.get(key)
-        if residual is not None and residual.shape == meant.shape and residual.device == meant.device:
-            meant = meant + residual
+        if residual is not None and residual.shape == meant.shape:
+            meant = meant + residual.to(meant.device)  # a residual loaded from a checkpoint lies on the CPU
         message = codec.encode(meant, block_size)
         decoded = codec.decode(message, meant.numel(), block_size)
         left = meant - decoded

@@ -85,6 +85,8 @@ class LowBit:
             raise ValueError(f"LowBit(fallback={self.fallback!r}): 'warn' or 'raise'")
         if self.check_every is not None and (not isinstance(self.check_every, int) or self.check_every < 1):
             raise ValueError(f"LowBit(check_every={self.check_every!r}): a number of steps >= 1, or None")
+        if self.on_check is not None and self.check_every is None:
+            raise ValueError("LowBit(on_check=...) without check_every: no check would ever call it; set check_every=K")
 
     @classmethod
     def mode(cls, name: str, **options: object) -> "LowBit":

@@ -47,7 +47,8 @@ class Pending:
             if self._work is not None:
                 self._work.wait()
             self._result, self._done = self._finish(), True
-            self._buffers = ()
+            self._buffers, self._work = (), None
+            self._finish = _finished  # the closure holds the messages and inputs: let them go
         return self._result
 
     def is_completed(self) -> bool:
@@ -56,6 +57,10 @@ class Pending:
             return True
         probe = getattr(self._work, "is_completed", None)
         return bool(probe()) if probe is not None else False
+
+
+def _finished() -> Optional[torch.Tensor]:
+    return None
 
 
 class LowBitWire:
@@ -143,7 +148,7 @@ class LowBitWire:
         message = codec.encode(shard, block)
         received = torch.empty(self.world * message.numel(), dtype=torch.uint8, device=shard.device)
         exact = None
-        if self.checking:
+        if self.checking:  # evaluation forwards before the step's end are that step's gathers too
             exact = torch.empty(self.world * n, dtype=exact_dtype, device=shard.device)
             comm.all_gather_into_tensor(exact, shard.to(exact_dtype).contiguous(), self.group, async_op=False)
         work = comm.all_gather_into_tensor(received, message, self.group) if self.world > 1 else None
@@ -157,12 +162,13 @@ class LowBitWire:
             for r, piece in enumerate(received.split(message.numel())):
                 codec.decode(piece, n, block, out[r * n:(r + 1) * n])
             if exact is not None:
-                self.shadow.compare("all_gather", out, exact, divergence_of=(out, exact))
+                used = out.to(exact_dtype)  # what the unit computes with
+                self.shadow.compare("all_gather", used, exact, divergence_of=(used, exact))
             return out
 
         return Pending(work, finish, (message, received))
 
-    def reduce_scatter(self, codec: Codec, name: str, flat: torch.Tensor) -> Pending:
+    def reduce_scatter(self, codec: Codec, name: str, flat: torch.Tensor, checked_numel: Optional[int] = None) -> Pending:
         """The float32 sum over ranks of chunk ``r`` of every rank's ``flat`` (``world`` equal
         chunks, 1-D), for this rank ``r``: each chunk is encoded (with this rank's residual for it
         under error feedback), exchanged all-to-all, decoded and summed in rank order."""
@@ -183,13 +189,14 @@ class LowBitWire:
         else:
             work = None
             received.copy_(sent)
-        each = messages[0].numel()
+        each, device = messages[0].numel(), flat.device
         self.traffic.add("reduce_scatter", each * (world - 1), n * flat.element_size() * (world - 1))
 
-        def finish() -> torch.Tensor:
-            total = self._sum_decoded(codec, received.split(each), n, flat.device)
+        def finish() -> torch.Tensor:  # holds no reference to ``flat``: the caller may free it
+            total = self._sum_decoded(codec, received.split(each), n, device)
             if exact is not None:
-                self.shadow.compare("reduce_scatter", total, exact)
+                k = n if checked_numel is None else checked_numel  # the gradients, not a tail of flags
+                self.shadow.compare("reduce_scatter", total[:k], exact[:k])
             return total
 
         return Pending(work, finish, (sent, received))
