@@ -282,7 +282,7 @@ def warm_up(stage: str, lr: float) -> None:
     """
     from train_gpt import build
 
-    wrapped, optimizer = build(stage, GPT(VOCAB, 16, 1, 1, 8), SimpleNamespace(lr=lr))
+    wrapped, optimizer = build(stage, GPT(VOCAB, 16, 1, 1, 8), SimpleNamespace(lr=lr, lowbit=None))
     next_token_loss(wrapped, torch.zeros(1, 9, dtype=torch.long)).backward()
     optimizer.step()
 
@@ -310,7 +310,7 @@ def run_rank(args, stage: str, limited: bool, name: str) -> int:
         torch.manual_seed(0)
         model = GPT(VOCAB, args.dim, args.layers, args.heads, args.seq)
         phase = "wrapping it"
-        wrapped, optimizer = build(stage, model, SimpleNamespace(lr=args.lr))
+        wrapped, optimizer = build(stage, model, SimpleNamespace(lr=args.lr, lowbit=None))
         for step in range(args.steps):
             g = torch.Generator().manual_seed(step * args.world_size + args.rank)
             tokens = torch.randint(0, VOCAB, (args.batch, args.seq + 1), generator=g)
