@@ -298,8 +298,14 @@ class Root:
         wires count their bytes and report their checks once per step."""
         self._land_reductions(keep=0)
         self.unit.context.finalization.end_iteration()
-        if not any(sp.unsynced_grad is not None for u in self.units for sp in u.params):
+        if self._has_wires and not any(sp.unsynced_grad is not None for u in self.units for sp in u.params):
             end_step(self.units)
+
+    @property
+    def _has_wires(self) -> bool:
+        """Whether any unit sends through a low-bit wire (without one, a step's end has nothing to
+        count, and the per-parameter walk above is skipped)."""
+        return any(u.lowbit_wire is not None for u in self.units)
 
     # -------------------------------------------------------------- manual finalization
 
