@@ -96,12 +96,13 @@ class LowBitBuckets:
     def __init__(self, wire: LowBitWire, names: dict[torch.Tensor, str]) -> None:
         self.wire = wire
         self._names = names
+        self._message_names: dict[int, tuple[ReduceBucket, str]] = {}  # id -> (bucket, name): named once, not per backward
 
     def start(self, bucket: ReduceBucket, buffer: torch.Tensor, exact: bool = False) -> Reduction:
         """Start reducing ``buffer`` (``bucket``'s gradients then flags) to its owner: low-bit,
         or exact where ``exact`` (a correction) or the policy falls back for this message."""
         grads, flags = buffer[: bucket.numel], buffer[bucket.numel :]
-        name = bucket_message_name(bucket, self._names)
+        name = self._message_name(bucket)
         codec = None if exact else self.wire.codec("grads", "reduce", name, grads)
         copies = 0 if bucket.owner == self.wire.rank else 1
         if codec is None:
@@ -113,7 +114,14 @@ class LowBitBuckets:
 
     def keep_only(self, buckets: Sequence[ReduceBucket]) -> int:
         """Drop the residuals of messages ``buckets`` no longer send; returns how many."""
-        return self.wire.feedback.keep_only({bucket_message_name(b, self._names) for b in buckets})
+        self._message_names = {}  # a re-plan: the old buckets' names go with them
+        return self.wire.feedback.keep_only({self._message_name(b) for b in buckets})
+
+    def _message_name(self, bucket: ReduceBucket) -> str:
+        known = self._message_names.get(id(bucket))
+        if known is None or known[0] is not bucket:
+            known = self._message_names[id(bucket)] = (bucket, bucket_message_name(bucket, self._names))
+        return known[1]
 
     def end_step(self) -> StepTraffic:
         """Close the step (one synced backward or explicit reduce): fallbacks and shadow checks
