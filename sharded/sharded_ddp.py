@@ -28,7 +28,7 @@ from ._common.lowbit import ErrorFeedback, LowBit, StepTraffic, feed_into
 from ._owners.compile_split import graph_splitter, split_bytes_for
 from ._owners.grad_router import BackwardStats, GradRouter
 from ._owners.join_hooks import ModelJoinHook, before_forward_under_join
-from ._owners.lowbit_reduce import lowbit_buckets_for
+from ._owners.lowbit_reduce import LowBitBuckets, lowbit_buckets_for
 from ._owners.param_waits import ParamWaits
 from ._owners.torch_clip import clip_owner_reduced_, register_owner_reduced
 from .oss import OSS
@@ -276,6 +276,12 @@ class ShardedDataParallel(nn.Module, Joinable):
         if self._lowbit is None:
             raise ValueError(on_rank("ShardedDataParallel has no low-bit residuals without lowbit=LowBit(grads=...)", self.rank))
         return self._lowbit.wire.feedback
+
+    @property
+    def lowbit_buckets(self) -> Optional[LowBitBuckets]:
+        """How the buckets travel in low bits (their residuals by message and by parameter,
+        which ``sharded.checkpoint`` saves and reshards); ``None`` without ``lowbit``."""
+        return self._lowbit
 
     @property
     def backward_stats(self) -> Optional[BackwardStats]:

@@ -10,9 +10,13 @@ exact beside it (a reduce of a few numbers), so the owner knows which gradients 
 produced exactly as without low-bit.
 
 A bucket's message is named by its content (the names of its parameters), so its residual is
-found again at the next step, after a rebuild that plans the same bucket, and after a checkpoint
-is loaded; a bucket the plan no longer has takes its residual with it (:meth:`LowBitBuckets.keep_only`).
-Corrections for late gradients travel exact: they are rare, and a residual is per bucket.
+found again at the next step and after a rebuild that plans the same bucket. A bucket the plan no
+longer has (re-planned from the first backward's order, or rebuilt by ``refresh_trainable``)
+leaves its residual per parameter, carried into the new buckets that hold them
+(:meth:`LowBitBuckets.keep_only`); a checkpoint saves and loads residuals per parameter too
+(:meth:`LowBitBuckets.residuals_by_param`, :meth:`LowBitBuckets.carry`), so a resumed run folds
+them into whatever buckets it plans. Corrections for late gradients travel exact: they are
+rare, and a residual is per bucket.
 """
 
 from __future__ import annotations
@@ -64,6 +68,11 @@ def bucket_message_name(bucket: ReduceBucket, names: dict[torch.Tensor, str]) ->
     return f"reduce {member_names[0]}..{member_names[-1]} ({len(member_names)} params, {digest:08x})"
 
 
+def _by_param(bucket: ReduceBucket, residual: torch.Tensor) -> dict[torch.Tensor, torch.Tensor]:
+    """A bucket's residual cut into its parameters' (each of the parameter's shape)."""
+    return {p: residual[offset : offset + p.numel()].view(p.shape).clone() for p, offset in zip(bucket.params, bucket.offsets)}
+
+
 class LowBitReduce:
     """One bucket's low-bit reduce in flight: ``wait()`` leaves the owner's buffer as the exact
     reduce would (the decoded float32 sum cast to the buffer's dtype, the flags summed)."""
@@ -104,6 +113,8 @@ class LowBitBuckets:
         grads, flags = buffer[: bucket.numel], buffer[bucket.numel :]
         name = self._message_name(bucket)
         codec = None if exact else self.wire.codec("grads", "reduce", name, grads)
+        if codec is not None:
+            self._take_carried(bucket, name)
         copies = 0 if bucket.owner == self.wire.rank else 1
         if codec is None:
             self.wire.count_exact("reduce", buffer.numel(), buffer.dtype, copies)
@@ -113,9 +124,48 @@ class LowBitBuckets:
         return LowBitReduce(gradients, comm.start_reduce(flags, bucket.owner, self.wire.group), grads)
 
     def keep_only(self, buckets: Sequence[ReduceBucket]) -> int:
-        """Drop the residuals of messages ``buckets`` no longer send; returns how many."""
+        """Carry, per parameter, the residuals of messages ``buckets`` no longer send (the new
+        buckets holding those parameters take them at their next send; a parameter none holds
+        drops its); returns how many messages were re-planned away."""
+        feedback, old = self.wire.feedback, list(self._message_names.values())
         self._message_names = {}  # a re-plan: the old buckets' names go with them
-        return self.wire.feedback.keep_only({self._message_name(b) for b in buckets})
+        kept = {self._message_name(b) for b in buckets}
+        residuals = feedback.state_dict()
+        for bucket, name in old:
+            if name not in kept and name in residuals:
+                feedback.carry(_by_param(bucket, residuals[name]))
+        held = {p for b in buckets for p in b.params}
+        feedback.take_carried([p for p in feedback.carried if p not in held])
+        return feedback.keep_only(kept)
+
+    def residuals_by_param(self) -> dict[torch.Tensor, torch.Tensor]:
+        """This rank's residuals per parameter (its shape, float32): those of the buckets the
+        plan sends and those carried. What they add to the reduced gradient: a bucket holds
+        gradients already divided by the world size, so a residual counts as it is."""
+        residuals = self.wire.feedback.state_dict()
+        found: dict[torch.Tensor, torch.Tensor] = {}
+        for bucket, name in self._message_names.values():
+            if name in residuals:
+                found.update(_by_param(bucket, residuals[name]))
+        for param, residual in self.wire.feedback.carried.items():
+            assert isinstance(param, torch.Tensor)
+            found[param] = found[param] + residual if param in found else residual
+        return found
+
+    def carry(self, by_param: dict[torch.Tensor, torch.Tensor]) -> None:
+        """Take residuals per parameter (:meth:`residuals_by_param`'s form, from a checkpoint):
+        the next message of a bucket holding the parameter adds them."""
+        self.wire.feedback.carry(dict(by_param))
+
+    def _take_carried(self, bucket: ReduceBucket, name: str) -> None:
+        carried = self.wire.feedback.take_carried(list(bucket.params))
+        if not carried:
+            return
+        residual = torch.zeros(bucket.numel, dtype=torch.float32, device=bucket.device)
+        for param, offset in zip(bucket.params, bucket.offsets):
+            if param in carried:
+                residual[offset : offset + param.numel()] = carried[param].reshape(-1)
+        self.wire.feedback.add(name, residual)
 
     def _message_name(self, bucket: ReduceBucket) -> str:
         known = self._message_names.get(id(bucket))

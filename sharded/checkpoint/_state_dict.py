@@ -55,7 +55,8 @@ def get_state_dict(model: nn.Module, optimizers: Optimizers = (), *, full: bool 
     only the optimizer state of the parameters they own, so no rank ever holds the whole
     optimizer state; under ZeRO-3 parameters and their element-wise optimizer state are
     DTensors holding this rank's shard. A wrapper with low-bit error feedback adds its
-    residuals under ``"lowbit"`` (see :mod:`._lowbit`). An optimizer that has not stepped gets placeholder
+    residuals under ``"lowbit"`` (see :mod:`._lowbit`); this call is then collective, their
+    per-parameter sum over the ranks being an all-reduce. An optimizer that has not stepped gets placeholder
     state (zeros of the shapes it would create) for a loader to fill; :func:`save` leaves
     placeholders out, and :func:`set_state_dict` refuses them if nothing filled them.
 

@@ -45,7 +45,7 @@ from ._gather import GatherRoute
 from ._param import ShardedParam
 from ._placement.secondary_shard import SecondaryShardGroup
 
-__all__ = ["BufferPlacement", "UnitStorage", "GradientLayout", "pack_gradients", "check_materialised", "ensure_allocated", "release"]
+__all__ = ["BufferPlacement", "UnitStorage", "GradientLayout", "gradient_widths", "pack_gradients", "unpack_rows", "check_materialised", "ensure_allocated", "release"]
 
 
 @dataclass(frozen=True)
@@ -327,21 +327,50 @@ def pack_gradients(
     element at a multiple of ``tail_align`` in each row, so that a blockwise codec scales that
     element and the flags in blocks of their own, never beside the gradients
     (:mod:`._lowbit_reduce` uses the element as a sentinel)."""
-    slots = [sp.geometry.slot_numel for sp in params]
-    gap = [-sum(slots) % tail_align + 1] if tail_align > 1 else []
-    widths = slots + gap + [len(params)]
+    widths = gradient_widths(params, tail_align)
     sent = allocate(world * sum(widths))
     blocks = column_blocks(sent, world, widths)
     copies = _Copies()
     for sp, grad, block in zip(params, grads, blocks):
         _spread_rows(sp, grad, block, copies)
-    if gap:
+    if tail_align > 1:  # the gap
         copies.zero(blocks[-2])
     had_grad = [g is not None for g in grads]
     flags = used_flags(had_grad, sent.dtype, sent.device)
     copies.copy(blocks[-1], flags.view(1, -1).expand(world, -1))
     copies.run()
     return sent, GradientLayout(list(params), widths, had_grad)
+
+
+def gradient_widths(params: Sequence[ShardedParam], tail_align: int = 1) -> list[int]:
+    """The widths of a :func:`pack_gradients` row: each parameter's slot, then (``tail_align >
+    1``) the gap, then the flags."""
+    slots = [sp.geometry.slot_numel for sp in params]
+    gap = [-sum(slots) % tail_align + 1] if tail_align > 1 else []
+    return slots + gap + [len(params)]
+
+
+def unpack_rows(params: Sequence[ShardedParam], packed: torch.Tensor, world: int, tail_align: int = 1) -> list[torch.Tensor]:
+    """The inverse of :func:`pack_gradients`: each parameter's full tensor (its shape, fresh)
+    from ``packed`` (``world`` rows of its layout). A parameter every row holds whole (a
+    replicated scalar) gets the mean of the rows' copies."""
+    blocks = column_blocks(packed, world, gradient_widths(params, tail_align))
+    return [_gather_rows(sp, block) for sp, block in zip(params, blocks)]
+
+
+def _gather_rows(sp: ShardedParam, block: torch.Tensor) -> torch.Tensor:
+    g = sp.geometry
+    if g.slot_numel == 0:
+        return block.new_zeros(g.shape)
+    if g.replicated:
+        return block.mean(dim=0).reshape(g.shape)
+    full = block.new_empty(g.shape)
+    if g.dim != 0:
+        g.by_rank(full).copy_(block.view(block.shape[0], *g.slot_shape))
+        return full
+    rows = block.reshape(block.shape[0] * g.rows_per_shard, g.row_numel)
+    full.view(g.shape[0], g.row_numel).copy_(rows[: g.shape[0]])
+    return full
 
 
 class _Copies:

@@ -24,13 +24,20 @@ each rank tells the wire's error feedback, which drops its residuals at the end 
 (the gradient scaler skips it; :meth:`ErrorFeedback.end_step`). Flags a non-finite block hid
 count as used: the gradients land, non-finite, for the scaler to see.
 
+Residuals are saved per message (a resume at the same world size sends the same bits) and, for
+another world size, per parameter (:func:`residuals_by_param`: what this rank's residuals add to
+each parameter's reduced gradient, the plan's division applied). A rank given such residuals
+carries them (:func:`carry_residuals`) until its unit's next low-bit reduce-scatter spreads them
+over its rows, divided back into what that reduction sends.
+
 At one rank the row still goes through the codec (the wire's reduce-scatter decodes its own
 message), so a world of one rounds as every other world does.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Union
+import zlib
+from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -38,12 +45,31 @@ import torch.distributed as dist
 from .._common.errors import on_rank
 from .._common.lowbit import Codec, LowBitWire, Pending
 from ._collectives import PendingReduceScatter, start_reduce_scatter
+from ._flat_buffers import GradientLayout, gradient_widths, pack_gradients, unpack_rows
+from ._param import ShardedParam
 from ._reduce_ops import DivisionPlan
 from ._settings import UnitSettings
 
-__all__ = ["GradientWire", "LowBitReduceScatter", "refuse_with_low_bit_grads", "start_gradient_reduce_scatter"]
+__all__ = [
+    "GradientWire", "LowBitReduceScatter", "carry_residuals", "delivered_scale", "refuse_with_low_bit_grads", "residuals_by_param",
+    "row_key", "start_gradient_reduce_scatter",
+]
 
 COLLECTIVE = "reduce_scatter"
+
+
+def row_key(unit_name: str, trainable: Sequence[ShardedParam]) -> str:
+    """What a unit's rows' residuals are kept under: its path and a checksum of the parameters
+    in the row (a row of the same length holding other parameters never takes them)."""
+    digest = zlib.crc32("\n".join(sp.fqn for sp in trainable).encode())
+    return f"{unit_name} ({len(trainable)} params, {digest:08x})"
+
+
+def delivered_scale(plan: DivisionPlan, world: int) -> float:
+    """What one unit of a sent value adds to the shard gradient delivered: ``1/world`` under
+    ``AVG``, then the plan's division after the collective."""
+    scale = 1.0 / world if plan.scatter_op == dist.ReduceOp.AVG else 1.0
+    return scale / plan.post_divide if plan.post_divide is not None else scale
 
 
 class GradientWire:
@@ -110,18 +136,72 @@ def refuse_with_low_bit_grads(what: str, settings: UnitSettings, unit_name: str)
 
 
 def start_gradient_reduce_scatter(
-    lowbit: GradientWire, sent: torch.Tensor, sentinel: int, plan: DivisionPlan, group: dist.ProcessGroup, world: int,
+    lowbit: GradientWire, sent: torch.Tensor, layout: GradientLayout, plan: DivisionPlan, group: dist.ProcessGroup, world: int,
 ) -> Union[LowBitReduceScatter, PendingReduceScatter]:
-    """Start reducing the packed, scaled ``sent`` (``world`` rows packed with
-    ``tail_align=lowbit.tail_align``, the sentinel at ``sentinel`` in each row) over ``group``:
-    in the policy's format, or exact where the row cannot take it (a fallback, counted or
-    raised); its bytes counted either way."""
+    """Start reducing the packed, scaled ``sent`` (``world`` rows as ``layout`` says, packed
+    with ``tail_align=lowbit.tail_align``, the sentinel at ``layout.tail_start``) over
+    ``group``: in the policy's format, or exact where the row cannot take it (a fallback,
+    counted or raised); its bytes counted either way."""
     wire, rows = lowbit.wire, sent.view(world, -1)
     codec = wire.codec("grads", COLLECTIVE, lowbit.unit_name, rows[0])
     if codec is None:
         lowbit.count_exact(sent, world)
         return start_reduce_scatter(sent, group, world, plan.scatter_op)
-    return _start_low_bit(wire, codec, lowbit.row_key, rows, sentinel, plan, world)
+    _spread_carried(lowbit, layout, delivered_scale(plan, world), world)
+    return _start_low_bit(wire, codec, lowbit.row_key, rows, layout.tail_start, plan, world)
+
+
+def _spread_carried(lowbit: GradientWire, layout: GradientLayout, scale: float, world: int) -> None:
+    """Fold the residuals carried for the row's parameters into the rows' residuals, as what
+    this reduction sends (divided by ``scale``); the tail carries none."""
+    feedback = lowbit.wire.feedback
+    carried = feedback.take_carried(list(layout.params))
+    if not carried:
+        return
+    device = next(iter(carried.values())).device
+    fulls = [carried[sp] / scale if sp in carried else None for sp in layout.params]
+    rows, _ = pack_gradients(layout.params, fulls, world, lambda n: torch.zeros(n, dtype=torch.float32, device=device),
+                             tail_align=lowbit.tail_align)
+    rows = rows.view(world, -1)
+    rows[:, layout.tail_start:] = 0
+    for r in range(world):
+        feedback.add(f"{lowbit.row_key}[{r}]", rows[r].clone())
+
+
+def residuals_by_param(unit: Any) -> dict[ShardedParam, torch.Tensor]:
+    """What this rank's residuals for ``unit``'s rows add to each trainable parameter's reduced
+    gradient (its full shape, float32), and those it carries; empty without low-bit gradients
+    under error feedback."""
+    wire = unit.lowbit_wire
+    if wire is None or wire.policy.grads is None or not wire.policy.error_feedback:
+        return {}
+    trainable = [sp for sp in unit.params if sp.requires_grad and sp.owner is None]
+    found: dict[ShardedParam, torch.Tensor] = {}
+    residuals, key = wire.feedback.state_dict(), row_key(unit.module_name, trainable)
+    if trainable and any(f"{key}[{r}]" in residuals for r in range(wire.world)):
+        scale = delivered_scale(unit.reducer.division_plan(unit.reduce_dtype_for(trainable, [None] * len(trainable))), wire.world)
+        width, device = sum(gradient_widths(trainable, wire.policy.block_size)), unit.mesh_info.device
+        rows = torch.stack([_row(residuals.get(f"{key}[{r}]"), width, device) for r in range(wire.world)])
+        for sp, full in zip(trainable, unpack_rows(trainable, rows, wire.world, wire.policy.block_size)):
+            found[sp] = full * scale
+    for sp, residual in wire.feedback.carried.items():
+        if any(sp is p for p in unit.params):
+            found[sp] = found[sp] + residual if sp in found else residual
+    return found
+
+
+def carry_residuals(unit: Any, by_param: dict[ShardedParam, torch.Tensor]) -> None:
+    """Give ``unit`` residuals per parameter (:func:`residuals_by_param`'s form) to spread over
+    its rows at its next low-bit reduce-scatter."""
+    wire = unit.lowbit_wire
+    if wire is not None and by_param:
+        wire.feedback.carry(dict(by_param))
+
+
+def _row(residual: Optional[torch.Tensor], width: int, device: torch.device) -> torch.Tensor:
+    if residual is None or residual.numel() != width:
+        return torch.zeros(width, dtype=torch.float32, device=device)
+    return residual.float().to(device)
 
 
 def _start_low_bit(wire: LowBitWire, codec: Codec, name: str, rows: torch.Tensor, sentinel: int, plan: DivisionPlan,

@@ -205,7 +205,7 @@ class GradientReducer:
         group = self._settings.reduce_scatter_group or info.shard_group
         scatter: Union[PendingReduceScatter, LowBitReduceScatter]
         if low_bit is not None:
-            scatter = start_gradient_reduce_scatter(low_bit, sent, layout.tail_start, settings.plan, group, world)
+            scatter = start_gradient_reduce_scatter(low_bit, sent, layout, settings.plan, group, world)
         else:
             if lowbit is not None:
                 lowbit.count_exact(sent, world)
@@ -236,10 +236,15 @@ class GradientReducer:
         """Forget the scattered sum a deferred all-reduce left (a reset)."""
         self._partial = None
 
-    def _reduce_settings(self, dtype: torch.dtype) -> ReduceSettings:
+    def division_plan(self, dtype: torch.dtype) -> DivisionPlan:
+        """How a reduction of ``dtype`` gradients divides them, as the settings say now."""
         info, asked = self._mesh_info, self._settings
         replicas = info.mesh.size(0) if info.replicate_group is not None else 1
-        plan = division_plan(dtype, info.shard_world, replicas, asked.gradient_divide_factor, asked.force_sum_reduction)
+        return division_plan(dtype, info.shard_world, replicas, asked.gradient_divide_factor, asked.force_sum_reduction)
+
+    def _reduce_settings(self, dtype: torch.dtype) -> ReduceSettings:
+        info, asked = self._mesh_info, self._settings
+        plan = self.division_plan(dtype)
         carried, self._partial = self._partial, None
         return ReduceSettings(
             plan,

@@ -15,7 +15,6 @@ its model is data: the :class:`~._settings.StepContext`.
 from __future__ import annotations
 
 import enum
-import zlib
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -31,7 +30,7 @@ from ._gather_kinds import gathers_for
 from ._grad_dtypes import accumulation_dtype, grads_follow_grad_dtype, reduce_dtype_for
 from ._hooks import BackwardTracker, cast_floats
 from ._lowbit import new_wire
-from ._lowbit_reduce import GradientWire
+from ._lowbit_reduce import GradientWire, row_key
 from ._param import ShardedParam
 from ._placement.mesh import MeshInfo
 from ._placement.secondary_shard import SecondaryShardGroup
@@ -350,8 +349,7 @@ class Unit:
         parameters (one frozen, another of its shape unfrozen) never takes their residuals."""
         if self.lowbit_wire is None:
             return None
-        digest = zlib.crc32("\n".join(sp.fqn for sp in trainable).encode())
-        return GradientWire(self.lowbit_wire, self.module_name, f"{self.module_name} ({len(trainable)} params, {digest:08x})")
+        return GradientWire(self.lowbit_wire, self.module_name, row_key(self.module_name, trainable))
 
     def _check_unused_can_land(self, trainable: list[ShardedParam]) -> None:
         """``set_reduce_scatter_unused_params(True)`` sends zeros for a parameter without a

@@ -8,6 +8,12 @@ afresh every step lets biased rounding (small values that always round to zero) 
 the scheme of 1-bit Adam and of ZeRO++'s gradient path. Residuals are per rank and per message,
 float32, the size of what the rank sends: kept where the wrapper keeps its gradients and saved
 with its state (``state_dict`` below).
+
+A residual can also wait *per parameter*, in no message yet (:meth:`ErrorFeedback.carry`): what
+a checkpoint saved at another world size reshards to, or what a message the wrapper no longer
+sends (its buckets were re-planned) held. The stage folds it into the next message that holds
+the parameter (:meth:`ErrorFeedback.take_carried`, :meth:`ErrorFeedback.add`), so the rounding
+owed is paid at the next step instead of dropped.
 """
 
 from __future__ import annotations
@@ -23,10 +29,13 @@ __all__ = ["ErrorFeedback", "feed_into", "feedbacks_into"]
 
 
 class ErrorFeedback:
-    """Residuals keyed by message name (a bucket, a unit's gradient chunk); float32."""
+    """Residuals keyed by message name (a bucket, a unit's gradient chunk), and residuals
+    carried per parameter until a message takes them (keyed by what the stage names a
+    parameter by: its tensor, its :class:`~sharded.fsdp._param.ShardedParam`); float32."""
 
     def __init__(self) -> None:
         self._residuals: dict[str, torch.Tensor] = {}
+        self._carried: dict[object, torch.Tensor] = {}
         self._non_finite: Optional[torch.Tensor] = None  # this step's: did any message arrive non-finite?
 
     def encode(self, key: str, x: torch.Tensor, codec: Codec, block_size: int) -> torch.Tensor:
@@ -43,9 +52,32 @@ class ErrorFeedback:
         self._residuals[key] = torch.where(torch.isfinite(left), left, torch.zeros_like(left))
         return message
 
+    def add(self, key: str, residual: torch.Tensor) -> None:
+        """Add ``residual`` (float32, 1-D) to message ``key``'s: a carried residual joins a message."""
+        held = self._residuals.get(key)
+        fits = held is not None and held.shape == residual.shape
+        self._residuals[key] = held + residual.to(held.device) if fits else residual.float().clone()  # type: ignore[operator]
+
+    def carry(self, by_param: dict[object, torch.Tensor]) -> None:
+        """Keep residuals per parameter (full shape, float32) until a message holding the
+        parameter takes them; added to any already carried for it."""
+        for param, residual in by_param.items():
+            held = self._carried.get(param)
+            self._carried[param] = residual.detach().float().clone() if held is None else held + residual.to(held.device)
+
+    def take_carried(self, params: list[object]) -> dict[object, torch.Tensor]:
+        """The residuals carried for ``params`` (those that have one), no longer carried."""
+        return {p: self._carried.pop(p) for p in params if p in self._carried}
+
+    @property
+    def carried(self) -> dict[object, torch.Tensor]:
+        """The residuals waiting per parameter (read-only use: saving them)."""
+        return dict(self._carried)
+
     def clear(self) -> None:
         """Forget every residual (after a skipped step the scaler discards, a load, a reset)."""
         self._residuals.clear()
+        self._carried.clear()
 
     def keep_only(self, names: set[str]) -> int:
         """Drop the residuals of messages no longer sent (a re-planned or rebuilt wrapper);
@@ -58,7 +90,7 @@ class ErrorFeedback:
     def rescale(self, factor: float) -> None:
         """Multiply every residual by ``factor``: the gradients they belong to are now scaled
         ``factor`` times as much (a gradient scaler changed its scale)."""
-        for residual in self._residuals.values():
+        for residual in [*self._residuals.values(), *self._carried.values()]:
             residual.mul_(factor)
 
     def note_non_finite(self, found: torch.Tensor) -> None:
