@@ -19,7 +19,7 @@ owed is paid at the next step instead of dropped.
 from __future__ import annotations
 
 import weakref
-from typing import Optional
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
@@ -55,22 +55,24 @@ class ErrorFeedback:
     def add(self, key: str, residual: torch.Tensor) -> None:
         """Add ``residual`` (float32, 1-D) to message ``key``'s: a carried residual joins a message."""
         held = self._residuals.get(key)
-        fits = held is not None and held.shape == residual.shape
-        self._residuals[key] = held + residual.to(held.device) if fits else residual.float().clone()  # type: ignore[operator]
+        if held is not None and held.shape == residual.shape:
+            self._residuals[key] = held + residual.to(held.device)
+        else:
+            self._residuals[key] = residual.float().clone()
 
-    def carry(self, by_param: dict[object, torch.Tensor]) -> None:
+    def carry(self, by_param: Mapping[Any, torch.Tensor]) -> None:
         """Keep residuals per parameter (full shape, float32) until a message holding the
         parameter takes them; added to any already carried for it."""
         for param, residual in by_param.items():
             held = self._carried.get(param)
             self._carried[param] = residual.detach().float().clone() if held is None else held + residual.to(held.device)
 
-    def take_carried(self, params: list[object]) -> dict[object, torch.Tensor]:
+    def take_carried(self, params: Sequence[Any]) -> dict[Any, torch.Tensor]:
         """The residuals carried for ``params`` (those that have one), no longer carried."""
         return {p: self._carried.pop(p) for p in params if p in self._carried}
 
     @property
-    def carried(self) -> dict[object, torch.Tensor]:
+    def carried(self) -> dict[Any, torch.Tensor]:
         """The residuals waiting per parameter (read-only use: saving them)."""
         return dict(self._carried)
 
