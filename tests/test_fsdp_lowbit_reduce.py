@@ -352,6 +352,17 @@ def _scaler_cases(rank, world):
             moved = [not torch.equal(b, p.full_tensor()) for b, p in zip(before, model.parameters())]
             assert all(moved) if step != 1 else not any(moved), f"step {step}: {moved}"
         assert scaler.get_scale() == 2.0**8 * 0.5
+    # a scale that grows without a skip rescales the residuals with it (ShardedGradScaler only:
+    # torch's knows nothing of them and leaves them one step in the old scale)
+    model = _shard(POLICY)
+    feedback, opt = _wire(model).feedback, torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ShardedGradScaler(device="cpu", init_scale=2.0**8, growth_interval=1)
+    scaler.scale(gpt_loss(model, token_batch(rank, 0))).backward()
+    before = {k: v.clone() for k, v in feedback.state_dict().items()}
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 2.0**9 and len(before) == 3 * world
+    assert all(torch.equal(feedback.state_dict()[k], 2 * v) for k, v in before.items())
 
 
 def _refusal_cases(rank, world):

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 from .._common.errors import on_rank
-from .._common.lowbit import LowBit, LowBitWire, StepTraffic
+from .._common.lowbit import LowBit, LowBitWire, StepTraffic, feed_from
 
 __all__ = ["check_scope", "new_wire", "share_wires", "end_step", "traffic_of"]
 
@@ -72,6 +72,9 @@ def share_wires(units: Sequence[Any]) -> None:
         unit.lowbit_wire = same[0] if same else wire
         if not same:
             shared.append(wire)
+        if wire.policy.grads is not None and wire.policy.error_feedback:
+            # a gradient scaler stepping these parameters drops or rescales the rows' residuals
+            feed_from([sp.sharded for sp in unit.params], unit.lowbit_wire.feedback)
 
 
 def wires_of(units: Sequence[Any]) -> list[LowBitWire]:

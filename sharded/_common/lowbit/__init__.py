@@ -4,9 +4,9 @@ collectives a wrapper sends through (:class:`LowBitWire`) with their byte counts
 and shadow checks. The stages decide what a message is; this package decides how it travels."""
 
 from .codecs import FORMATS, Codec, codec_for
-from .feedback import ErrorFeedback, feed_into, feedbacks_into
+from .feedback import ErrorFeedback, feed_from, feed_into, feedbacks_into
 from .policy import MODES, LowBit, LowBitCheck
 from .report import StepTraffic
 from .wire import LowBitWire, Pending
 
-__all__ = ["FORMATS", "Codec", "codec_for", "ErrorFeedback", "feed_into", "feedbacks_into", "MODES", "LowBit", "LowBitCheck", "StepTraffic", "LowBitWire", "Pending"]
+__all__ = ["FORMATS", "Codec", "codec_for", "ErrorFeedback", "feed_from", "feed_into", "feedbacks_into", "MODES", "LowBit", "LowBitCheck", "StepTraffic", "LowBitWire", "Pending"]

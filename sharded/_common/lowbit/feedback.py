@@ -22,10 +22,11 @@ import weakref
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .codecs import Codec
 
-__all__ = ["ErrorFeedback", "feed_into", "feedbacks_into"]
+__all__ = ["ErrorFeedback", "feed_from", "feed_into", "feedbacks_into"]
 
 
 class ErrorFeedback:
@@ -134,7 +135,23 @@ def feed_into(optimizer: object, feedback: ErrorFeedback) -> None:
     _FEEDING[optimizer] = refs + [weakref.ref(feedback)]
 
 
-def feedbacks_into(optimizer: object) -> list[ErrorFeedback]:
-    """The live residual stores recorded for ``optimizer`` (see :func:`feed_into`)."""
+# The same, per parameter, for a wrapper that never sees the optimizer (``fully_shard``): the
+# residuals of the rows holding a parameter belong to whichever optimizer steps it.
+_FED_BY: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> weakref.ref(ErrorFeedback); by identity (tensors compare elementwise)
+
+
+def feed_from(params: Sequence[torch.Tensor], feedback: ErrorFeedback) -> None:
+    """Record that ``feedback``'s residuals belong to the gradients of ``params``: an optimizer
+    stepping any of them is fed by it."""
+    for param in params:
+        _FED_BY[param] = weakref.ref(feedback)
+
+
+def feedbacks_into(optimizer: Any) -> list[ErrorFeedback]:
+    """The live residual stores recorded for ``optimizer`` (:func:`feed_into`) or for a
+    parameter it steps (:func:`feed_from`), each once."""
     found = [ref() for ref in _FEEDING.get(optimizer, [])]
-    return [feedback for feedback in found if feedback is not None]
+    if _FED_BY:
+        found += [ref() for group in getattr(optimizer, "param_groups", []) for p in group["params"] if (ref := _FED_BY.get(p)) is not None]
+    unique = {id(feedback): feedback for feedback in found if feedback is not None}
+    return list(unique.values())
