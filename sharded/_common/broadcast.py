@@ -11,8 +11,9 @@ issued asynchronously and waited on together.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -29,6 +30,7 @@ from .flat import (
 
 __all__ = [
     "Bucket",
+    "InFlight",
     "PendingBroadcasts",
     "make_resident",
     "plan_broadcasts",
@@ -103,45 +105,55 @@ def release_residents(old: Sequence[Bucket], keep: Sequence[Bucket]) -> None:
                 t.data = t.detach().clone()
 
 
-class PendingBroadcasts:
-    """Broadcasts in flight; :meth:`wait` completes them and unpacks what was received.
+class InFlight:
+    """Pieces of work started in sequence, each completed by its ``finish`` once, in the order
+    asked: :meth:`wait_for` completes only some (by position), so a reader goes on as soon as
+    the pieces it needs have arrived; ``on_done`` runs once the last one has completed."""
 
-    :meth:`wait_for` completes only some buckets (by their position in the started sequence),
-    so a reader can go on as soon as the buckets it needs have arrived.
-    """
-
-    def __init__(self, me: int, in_flight: list[tuple[Bucket, torch.Tensor, bool, Any]]) -> None:
-        self._me = me
-        self._in_flight: list[Optional[tuple[Bucket, torch.Tensor, bool, Any]]] = list(in_flight)
-        self._left = len(in_flight)
+    def __init__(self, finishes: Sequence[Callable[[], None]], on_done: Optional[Callable[[], None]] = None) -> None:
+        self._finishes: list[Optional[Callable[[], None]]] = list(finishes)
+        self._left, self._on_done = len(self._finishes), on_done
+        if not self._finishes and on_done is not None:
+            on_done()
 
     @property
     def done(self) -> bool:
-        """Whether every broadcast has been waited for."""
+        """Whether every piece has been waited for."""
         return self._left == 0
 
     def wait(self) -> None:
-        self.wait_for(range(len(self._in_flight)))
+        self.wait_for(range(len(self._finishes)))
 
     def wait_for(self, positions: Iterable[int]) -> None:
-        """Complete the broadcasts started at ``positions`` (those already complete are skipped)."""
+        """Complete the pieces started at ``positions`` (those already complete are skipped)."""
         for i in positions:
-            entry = self._in_flight[i]
-            if entry is None:
+            finish = self._finishes[i]
+            if finish is None:
                 continue
-            self._in_flight[i] = None
+            self._finishes[i] = None
             self._left -= 1
-            self._complete(*entry)
+            finish()
+            if self._left == 0 and self._on_done is not None:
+                self._on_done()
 
-    def _complete(self, bucket: Bucket, message: torch.Tensor, in_place: bool, work: Any) -> None:
-        with torch.profiler.record_function("sharded::wait_broadcast"):
-            work.wait()
-        if self._me != bucket.src and not in_place:
-            with torch.profiler.record_function("sharded::unpack_broadcast"):
-                if bucket.flat is not None:
-                    bucket.flat.copy_(message)
-                else:
-                    unflatten_into(message, bucket.tensors)
+
+class PendingBroadcasts(InFlight):
+    """Broadcasts in flight, bucket by bucket; completing one waits for it and unpacks what was
+    received."""
+
+    def __init__(self, me: int, in_flight: list[tuple[Bucket, torch.Tensor, bool, Any]]) -> None:
+        super().__init__([functools.partial(_complete, me, *entry) for entry in in_flight])
+
+
+def _complete(me: int, bucket: Bucket, message: torch.Tensor, in_place: bool, work: Any) -> None:
+    with torch.profiler.record_function("sharded::wait_broadcast"):
+        work.wait()
+    if me != bucket.src and not in_place:
+        with torch.profiler.record_function("sharded::unpack_broadcast"):
+            if bucket.flat is not None:
+                bucket.flat.copy_(message)
+            else:
+                unflatten_into(message, bucket.tensors)
 
 
 def start_broadcasts(

@@ -242,6 +242,17 @@ def start_reduce(
     return work
 
 
+def start_gather(
+    tensor: torch.Tensor, pieces: Optional[list[torch.Tensor]], dst: int, group: ProcessGroup
+) -> dist.Work:
+    """Asynchronous gather of every rank's ``tensor`` onto ``group``'s rank ``dst``, into its
+    ``pieces`` (one per rank, in rank order; ``None`` on the other ranks)."""
+    work = dist.gather(tensor, pieces, dst=global_rank(group, dst), group=group, async_op=True)
+    if work is None:
+        raise RuntimeError(on_rank("gather: this rank is not in the process group it gathers over"))
+    return work
+
+
 def new_group_of_this_rank(rows: Sequence[Sequence[int]], **kwargs: Any) -> dist.ProcessGroup:
     """Create a process group for each row of global ranks and return the one this rank is in.
 

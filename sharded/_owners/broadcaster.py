@@ -20,7 +20,7 @@ Only a parameter's owner steps it, so only the owner holds its new value. A
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence, Union
+from typing import Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -28,13 +28,13 @@ import torch.distributed as dist
 from .._common import comm
 from .._common.broadcast import (
     Bucket,
-    PendingBroadcasts,
+    InFlight,
     make_resident,
     plan_broadcasts,
     release_residents,
     start_broadcasts,
 )
-from .lowbit_params import LowBitParams, PendingChanges
+from .lowbit_params import LowBitParams
 from .partition import Partition
 
 __all__ = ["ParamBroadcaster"]
@@ -72,7 +72,7 @@ class ParamBroadcaster:
         self._partition = Partition.build([], comm.group_size(group))
         self._buckets: tuple[Bucket, ...] = ()
         self._bucket_of: dict[int, int] = {}  # id(parameter) -> position of its bucket, per plan
-        self._in_flight: Optional[Union[PendingBroadcasts, PendingChanges]] = None
+        self._in_flight: Optional[InFlight] = None
 
     @property
     def buckets(self) -> tuple[Bucket, ...]:
@@ -111,7 +111,7 @@ class ParamBroadcaster:
             self.plan(self._partition)  # e.g. module.to(dtype) gave the parameters new storage
         with torch.profiler.record_function("sharded::broadcast_params"):
             frozen = self._stepped_frozen_buckets()
-            in_flight: Union[PendingBroadcasts, PendingChanges]
+            in_flight: InFlight
             if self.lowbit is not None:
                 in_flight = self.lowbit.start(self._buckets, frozen)
             else:

@@ -33,46 +33,17 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 
 from .._common import comm
-from .._common.broadcast import Bucket, start_broadcasts
+from .._common.broadcast import Bucket, InFlight, start_broadcasts
 from .._common.errors import on_rank
 from .._common.lowbit import LowBit, LowBitWire, StepTraffic
 
-__all__ = ["LowBitParams", "PendingChanges", "MASTER_KEY", "refuse_unsupported"]
+__all__ = ["LowBitParams", "MASTER_KEY", "refuse_unsupported"]
 
 logger = logging.getLogger(__name__)
 
 # The per-parameter optimizer-state entry a master travels under (state dicts, checkpoints,
 # a change of owner): it is the owner's state, as the optimizer's moments are.
 MASTER_KEY = "lowbit_master"
-
-
-class PendingChanges:
-    """The changes of one step in flight, bucket by bucket (the positions ``ParamBroadcaster``
-    waits for); ``on_done`` runs once the last one has been applied."""
-
-    def __init__(self, finishes: list[Callable[[], None]], on_done: Callable[[], None]) -> None:
-        self._finishes: list[Optional[Callable[[], None]]] = list(finishes)
-        self._left, self._on_done = len(finishes), on_done
-        if not finishes:
-            on_done()
-
-    @property
-    def done(self) -> bool:
-        return self._left == 0
-
-    def wait(self) -> None:
-        self.wait_for(range(len(self._finishes)))
-
-    def wait_for(self, positions: Sequence[int]) -> None:
-        for i in positions:
-            finish = self._finishes[i]
-            if finish is None:
-                continue
-            self._finishes[i] = None
-            self._left -= 1
-            finish()
-            if self._left == 0:
-                self._on_done()
 
 
 class LowBitParams:
@@ -144,13 +115,13 @@ class LowBitParams:
                 "step (a model.load_state_dict?); their values now stand as their exact masters. Load a model "
                 "before its optimizer's state dict, which holds the masters", self.rank))
 
-    def start(self, buckets: Sequence[Bucket], frozen: Sequence[Bucket]) -> PendingChanges:
+    def start(self, buckets: Sequence[Bucket], frozen: Sequence[Bucket]) -> InFlight:
         """Start every bucket's broadcast (``buckets`` in low bits where the policy can, the
         stepped ``frozen`` ones exact). Collective; the same buckets on every rank."""
         replicas, self._replicas = self._replicas, {}
         finishes = [self._send(i, bucket, replicas) for i, bucket in enumerate(buckets)]
         finishes += [self._send_exact(bucket) for bucket in frozen]
-        return PendingChanges(finishes, self._end_step)
+        return InFlight(finishes, self._end_step)
 
     def _end_step(self) -> None:
         self.wire.end_step()

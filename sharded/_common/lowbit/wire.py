@@ -212,10 +212,10 @@ class LowBitWire:
         exact = None
         if self.checking:
             exact = flat.reshape(-1).float().clone()
-            dist.reduce(exact, dst=comm.global_rank(self.group, dst), group=self.group)
+            comm.start_reduce(exact, dst, self.group).wait()
         if self.world > 1:
             pieces = list(received.split(message.numel())) if received is not None else None
-            work: Optional[comm.Waitable] = dist.gather(message, pieces, dst=comm.global_rank(self.group, dst), group=self.group, async_op=True)
+            work: Optional[comm.Waitable] = comm.start_gather(message, pieces, dst, self.group)
         else:
             work = None
             assert received is not None
