@@ -54,7 +54,7 @@ MUON := ddp_muon,zero2_muon,fsdp2_muon,zero3_muon
 # turns of one step, since its table pairs each invariant step with its default row's step of the same round
 ACCUMULATION := zero1_accum,zero1_invariant,zero2_accum,zero2_invariant,zero3_accum,zero3_accum_nosync,zero3_invariant
 # Low-bit communication (issue 39): each stage's modes against the same stage exact and DDP, DeepSpeed ZeRO++ (hpZ: its
-# quantised weights and gradients do not run on its CPU accelerator), and the codecs' throughput
+# quantised weights and gradients do not run on its CPU accelerator), the codecs' throughput, and the shadow check's cost
 LOWBIT := ddp,zero1,zero1_int8,zero1_fp8,zero2,zero2_int8,zero2_int4,zero3,zero3_int8,zero3_int8_int4,zero3_fp8,ds_zero3,ds_zeropp_hpz
 bench: $(VENV)/.bench-installed
 	$(BIN)/python benchmarks/bench.py --impls $(LAYERS_12) --zero-worlds '' --out bench_out/layers12
@@ -63,6 +63,7 @@ bench: $(VENV)/.bench-installed
 	$(BIN)/python benchmarks/bench.py --impls $(ACCUMULATION) --sizes 10m --micro-batches 8 --turn 1 --zero-worlds '' --out bench_out/invariant
 	$(BIN)/python benchmarks/bench.py --impls $(LOWBIT) --sizes 10m,40m-short --zero-worlds '' --out bench_out/lowbit
 	$(BIN)/python benchmarks/lowbit_kernels.py --out bench_out/lowbit_kernels
+	$(BIN)/python benchmarks/lowbit_shadow.py --out bench_out/lowbit_shadow
 	$(BIN)/python benchmarks/report.py bench_out/layers12/bench.json bench_out/layer3/bench.json bench_out/muon/bench.json \
 		bench_out/invariant/bench.json bench_out/lowbit/bench.json bench_out/lowbit_kernels/lowbit_kernels.json > bench_out/tables.md
 

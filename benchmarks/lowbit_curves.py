@@ -42,7 +42,7 @@ from sharded._common.lowbit import MODES  # noqa: E402
 # LowBit's min_numel (4096), so the modes act on them; one thread per rank on this shared machine
 MODEL = ["--dim", "64", "--layers", "2", "--heads", "2", "--seq", "64", "--batch", "8", "--val-batches", "1",
          "--save-every", "0", "--threads", "1"]
-LINE = re.compile(r"stage (\S+) step (\d+) loss (\S+) sent (\d+) bytes exact (\d+) bytes")
+LINE = re.compile(r"stage (\S+) step (\d+) loss (\S+) sent (\d+) bytes exact (\d+) bytes time (\S+) ms")
 
 
 def plan(modes: list[str], stages: list[str]) -> dict[str, list[str]]:
@@ -59,22 +59,24 @@ def plan(modes: list[str], stages: list[str]) -> dict[str, list[str]]:
     return planned
 
 
-def run(world: int, mode: str, stages: list[str], steps: int, out: Path) -> dict[str, dict[str, list]]:
-    """One launch; ``{stage: {"loss": [...], "sent": [...], "exact": [...]}}`` from rank 0's lines."""
-    folder = out / f"world{world}-{mode}"
+def run(world: int, mode: str, stages: list[str], steps: int, out: Path, extra: tuple[str, ...] = ()) -> dict[str, dict[str, list]]:
+    """One launch (``extra``: more options of the example); ``{stage: {"loss": [...], "sent": [...],
+    "exact": [...], "ms": [...]}}`` from rank 0's lines."""
+    folder = out / f"world{world}-{mode}{''.join(extra).replace('-', '_')}"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
                str(ROOT / "examples" / "train_gpt.py"), "--stage", ",".join(stages), "--steps", str(steps),
-               "--lowbit", mode, "--out", str(folder), *MODEL]
+               "--lowbit", mode, "--out", str(folder), *MODEL, *extra]
     started = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if done.returncode != 0:
         raise SystemExit(f"world {world}, --lowbit {mode} failed ({done.returncode}):\n{done.stderr[-4000:]}")
     curves: dict[str, dict[str, list]] = {}
-    for stage, step, loss, sent, exact in LINE.findall(done.stdout):
-        curve = curves.setdefault(stage, {"loss": [], "sent": [], "exact": []})
+    for stage, step, loss, sent, exact, ms in LINE.findall(done.stdout):
+        curve = curves.setdefault(stage, {"loss": [], "sent": [], "exact": [], "ms": []})
         curve["loss"].append(float(loss))
         curve["sent"].append(int(sent))
         curve["exact"].append(int(exact))
+        curve["ms"].append(float(ms))
     print(f"world {world} {mode}: {time.perf_counter() - started:.0f} s, stages {sorted(curves)}", flush=True)
     return curves
 

@@ -38,7 +38,10 @@ its gradient format to ``ShardedDataParallel`` (the reduce to each owner) and it
 to ``OSS``, stage 3 both to ``fully_shard`` (its all-gathers and reduce-scatters). A stage that
 would send nothing in fewer bits under the mode (``ddp``; stage 1 with a gradients-only mode) is
 refused. Rank 0 prints one line a step: the loss, every digit, and the bytes it sent in that step's
-low-bit collectives beside what the same collectives send exact (``lowbit_traffic``).
+low-bit collectives beside what the same collectives send exact (``lowbit_traffic``), and the
+step's time. ``--check-every K`` runs the shadow check every ``K`` steps (``LowBit(check_every=K)``:
+the exact collective beside each low-bit one, its relative error logged on ``sharded.lowbit``,
+which the script shows).
 
 On GPUs the same script uses NCCL, one rank per GPU (``--nproc-per-node`` = GPUs per node). Across
 machines use torchrun's usual rendezvous instead of ``--standalone``, on every node::
@@ -56,6 +59,7 @@ import argparse
 import contextlib
 import datetime
 import importlib
+import logging
 import os
 import signal
 import sysconfig
@@ -217,7 +221,8 @@ def train_stage(stage: str, args, device, train: torch.Tensor, val: torch.Tensor
             progress.write(f"stage {stage} step {step + 1} loss {loss:.7f}")
         elif args.lowbit_name is not None and rank == 0:  # every digit, to compare with the exact run (--lowbit off)
             sent, exact = lowbit_traffic(wrapped, optimizer)
-            progress.write(f"stage {stage} step {step + 1} loss {loss:.7f} sent {sent} bytes exact {exact} bytes")
+            progress.write(f"stage {stage} step {step + 1} loss {loss:.7f} sent {sent} bytes exact {exact} bytes "
+                           f"time {1000 * (now - tick):.1f} ms")
         tick = now
         if checkpoint_due(step + 1, args):
             peak = peak_meter.rise() if peak is None else peak  # the steps' peak, not the checkpoint writer's
@@ -443,13 +448,20 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="intra-op threads per rank on the CPU (default: the cores shared out; 1 with --invariant)")
     parser.add_argument("--lowbit", default=None, metavar="MODE",
                         help="send parameters/gradients in fewer bits: a sharded.LowBit.mode name (int8, int4-grads, fp8...) or off")
+    parser.add_argument("--check-every", type=int, default=0, metavar="K",
+                        help="with --lowbit: run the exact collective beside the low-bit one every K steps and log the error (0: never)")
     args = parser.parse_args(argv)
     args.lowbit_name, args.lowbit = args.lowbit, None  # the name as given; the policy (None: off)
+    if args.check_every < 0 or (args.check_every and args.lowbit_name in (None, "off")):
+        parser.error(f"--check-every {args.check_every}: a number of steps >= 1 with a --lowbit mode, or 0 (off)")
     if args.lowbit_name not in (None, "off"):
         try:
-            args.lowbit = LowBit.mode(args.lowbit_name)
+            args.lowbit = LowBit.mode(args.lowbit_name, check_every=args.check_every or None)
         except ValueError as error:
             parser.error(f"--lowbit: {error}")
+        if args.check_every:  # the checks are logged at INFO
+            logging.basicConfig(format="%(message)s")
+            logging.getLogger("sharded.lowbit").setLevel(logging.INFO)
     for stage in args.stage.split(","):
         refusal = lowbit_refusal(stage, args.lowbit)
         if refusal is not None:

@@ -15,9 +15,13 @@ TINY = ["--dim", "32", "--layers", "1", "--heads", "2", "--seq", "32", "--batch"
 
 
 def _train(out: Path, *extra: str) -> str:
+    return _train_job(out, *extra).stdout
+
+
+def _train_job(out: Path, *extra: str):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                str(ROOT / "examples" / "train_gpt.py"), "--out", str(out), *TINY, *extra]
-    return run_job(command, cwd=ROOT, writes=out).stdout
+    return run_job(command, cwd=ROOT, writes=out)
 
 
 def test_train_gpt_stages_agree_and_resume(tmp_path):
@@ -33,16 +37,20 @@ def test_train_gpt_stages_agree_and_resume(tmp_path):
     assert start == val["2"], "resume did not start from the checkpoint's weights"
 
 
-LOWBIT_LINE = re.compile(r"^stage (\S+) step (\d+) loss (\S+) sent (\d+) bytes exact (\d+) bytes", re.MULTILINE)
+LOWBIT_LINE = re.compile(r"^stage (\S+) step (\d+) loss (\S+) sent (\d+) bytes exact (\d+) bytes time [0-9.]+ ms$", re.MULTILINE)
 
 
 def test_train_gpt_lowbit_prints_each_steps_bytes_and_refuses_a_stage_it_cannot_narrow(tmp_path):
     # every stage, int8: the first step's loss is the exact run's at stages 1 and 2 (nothing low-bit
     # has reached the weights yet) and not at stage 3 (its first forward computes with int8-gathered
-    # weights); every step sends fewer bytes than the same collectives exact
+    # weights); every step sends fewer bytes than the same collectives exact; --check-every 1 logs
+    # every collective's shadow check
+    job = _train_job(tmp_path / "int8", "--stage", "1,2,3", "--steps", "2", "--lowbit", "int8", "--save-every", "0", "--check-every", "1")
     lines = {(stage, int(step)): (float(loss), int(sent), int(exact)) for stage, step, loss, sent, exact
-             in LOWBIT_LINE.findall(_train(tmp_path / "int8", "--stage", "1,2,3", "--steps", "2", "--lowbit", "int8", "--save-every", "0"))}
+             in LOWBIT_LINE.findall(job.stdout)}
     assert set(lines) == {(s, n) for s in "123" for n in (1, 2)}, lines
+    checked = set(re.findall(r"low-bit check, step \d+: LowBitCheck\(step=\d+, collective='(\w+)'", job.stderr))
+    assert checked == {"broadcast", "reduce", "all_gather", "reduce_scatter"}, job.stderr[-3000:]
     assert all(0 < sent < exact / 3 for _, sent, exact in lines.values()), lines
     off = {(stage, int(step)): (float(loss), int(sent), int(exact)) for stage, step, loss, sent, exact
            in LOWBIT_LINE.findall(_train(tmp_path / "off", "--stage", "1,2,3", "--steps", "2", "--lowbit", "off", "--save-every", "0"))}
@@ -51,7 +59,7 @@ def test_train_gpt_lowbit_prints_each_steps_bytes_and_refuses_a_stage_it_cannot_
     assert lines["3", 1][0] != off["3", 1][0]
     assert max(abs(lines[k][0] - off[k][0]) for k in lines) < 0.05  # int8 weights and gradients: a small change
     for stage, mode, why in (("ddp", "int8", "no low-bit path"), ("1", "int4-grads", "stage 1 sends only parameters"),
-                             ("2", "int9", "unknown low-bit mode")):
-        refused = subprocess.run([sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--stage", stage, "--lowbit", mode],
+                             ("2", "int9", "unknown low-bit mode"), ("2 --check-every 2", "off", "with a --lowbit mode")):
+        refused = subprocess.run([sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--stage", *stage.split(), "--lowbit", mode],
                                  capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert refused.returncode == 2 and why in refused.stderr, refused.stderr[-2000:]

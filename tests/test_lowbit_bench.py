@@ -71,3 +71,26 @@ def test_loss_curves_plan_and_table():
     assert only["mode"] == "int8" and only["stage"] == "2" and only["world"] == 2 and only["sent_bytes"] == 26
     assert abs(only["final_loss_diff"] + 0.01) < 1e-12 and abs(only["max_step_diff"] - 0.1) < 1e-12
     assert "| int8 | 2 | 2 | 26 | 100 | 0.260 |" in curves.markdown([only])
+
+
+def test_shadow_cost_is_each_setting_against_the_unchecked_low_bit_run(monkeypatch, tmp_path):
+    """benchmarks/lowbit_shadow.py: one launch per setting, the median step time after the warm-up
+    per stage, and its ratio to the low-bit run without checks (the launches are stubbed with
+    known step times; the example's time column itself is run by test_examples)."""
+    shadow = _benchmarks_module("lowbit_shadow")
+    times = {(): [900.0, 10.0, 12.0, 11.0], ("--check-every", "1"): [900.0, 20.0, 22.0, 21.0]}
+    launches = []
+
+    def fake_run(world, mode, stages, steps, out, extra=()):
+        launches.append((mode, extra))
+        ms = [100.0, 30.0, 30.0, 30.0] if mode == "off" else times[tuple(extra)]
+        return {stage: {"ms": ms} for stage in stages}
+
+    monkeypatch.setattr(shadow, "run", fake_run)
+    rows = shadow.measure("int8", ["2", "3"], 2, 4, [1], 1, tmp_path)
+    assert launches == [("off", ()), ("int8", ()), ("int8", ("--check-every", "1"))]
+    by = {(r["stage"], r["setting"]): r for r in rows}
+    assert by[("2", "low-bit")]["median_step_ms"] == 11.0 and by[("2", "low-bit")]["vs_low_bit"] == 1.0
+    assert by[("3", "low-bit, check every 1")]["vs_low_bit"] == 21.0 / 11.0
+    assert by[("2", "exact")]["median_step_ms"] == 30.0 and by[("2", "exact")]["mode"] == "off"
+    assert "| 3 | low-bit, check every 1 | 21.0 | 1.91 |" in shadow.markdown(rows)
