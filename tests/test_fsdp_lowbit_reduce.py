@@ -178,7 +178,10 @@ def _division_cases(rank, world):
                     assert bool((off <= bounds[key] * (1 + slack) + slack * sizes[key] + 1e-12).all()), f"{case} step {step}"
                 n = call["flat"].numel() // world
                 sent_bytes += codec_for("int8").message_numel(n, BLOCK) * (world - 1)
-                exact_bytes += n * call["flat"].element_size() * (world - 1)
+                # what the exact path sends: each parameter's slot and one flag per parameter, no gap
+                exact_row = sum(sp.geometry.slot_numel for sp in call["layout"].params) + len(call["layout"].params)
+                assert exact_row < n, "the low-bit row carries a gap before its flags"
+                exact_bytes += exact_row * call["flat"].element_size() * (world - 1)
             traffic = ours.lowbit_traffic
             assert (traffic.sent["reduce_scatter"], traffic.exact["reduce_scatter"]) == (sent_bytes, exact_bytes)
             assert traffic.sent.get("all_gather") == traffic.exact.get("all_gather"), "parameters gathered exact"

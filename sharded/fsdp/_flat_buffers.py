@@ -297,6 +297,12 @@ class GradientLayout:
         aligned = len(self.widths) > len(self.params) + 1
         return sum(self.widths[:-1]) - (1 if aligned else 0)
 
+    @property
+    def exact_numel(self) -> int:
+        """A row's elements as the exact reduce-scatter packs it (no gap before the flags): what
+        the bytes a low-bit row replaces are counted by."""
+        return sum(self.widths[: len(self.params)]) + len(self.params)
+
     def unpack(self, received: torch.Tensor, every: bool) -> list[tuple[ShardedParam, torch.Tensor]]:
         """This rank's reduced row -> ``(parameter, its rows of the gradient)`` (views of
         ``received``) for each parameter some rank had a gradient for (``every``: for all)."""

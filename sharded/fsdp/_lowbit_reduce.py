@@ -90,9 +90,10 @@ class GradientWire:
         """The alignment of a row's tail for :func:`._flat_buffers.pack_gradients`."""
         return self.wire.policy.block_size
 
-    def count_exact(self, sent: torch.Tensor, world: int) -> None:
-        """Count the bytes of a reduce-scatter of ``sent`` (``world`` rows) that goes exact."""
-        self.wire.count_exact(COLLECTIVE, sent.numel() // world, sent.dtype, world - 1)
+    def count_exact(self, sent: torch.Tensor, world: int, row_numel: Optional[int] = None) -> None:
+        """Count the bytes of a reduce-scatter of ``sent`` (``world`` rows of ``row_numel``
+        elements as the exact path packs them; default: as ``sent`` has them) that goes exact."""
+        self.wire.count_exact(COLLECTIVE, row_numel or sent.numel() // world, sent.dtype, world - 1)
 
 
 class LowBitReduceScatter:
@@ -145,10 +146,10 @@ def start_gradient_reduce_scatter(
     wire, rows = lowbit.wire, sent.view(world, -1)
     codec = wire.codec("grads", COLLECTIVE, lowbit.unit_name, rows[0])
     if codec is None:
-        lowbit.count_exact(sent, world)
+        lowbit.count_exact(sent, world, layout.exact_numel)
         return start_reduce_scatter(sent, group, world, plan.scatter_op)
     _spread_carried(lowbit, layout, delivered_scale(plan, world), world)
-    return _start_low_bit(wire, codec, lowbit.row_key, rows, layout.tail_start, plan, world)
+    return _start_low_bit(wire, codec, lowbit.row_key, rows, layout, plan, world)
 
 
 def _spread_carried(lowbit: GradientWire, layout: GradientLayout, scale: float, world: int) -> None:
@@ -204,11 +205,12 @@ def _row(residual: Optional[torch.Tensor], width: int, device: torch.device) -> 
     return residual.float().to(device)
 
 
-def _start_low_bit(wire: LowBitWire, codec: Codec, name: str, rows: torch.Tensor, sentinel: int, plan: DivisionPlan,
+def _start_low_bit(wire: LowBitWire, codec: Codec, name: str, rows: torch.Tensor, layout: GradientLayout, plan: DivisionPlan,
                    world: int) -> LowBitReduceScatter:
+    sentinel = layout.tail_start
     low, high = torch.aminmax(rows)
     rows[:, sentinel] = low.float() * 0 + high.float() * 0  # NaN exactly when some value is inf or NaN
-    pending = wire.reduce_scatter(codec, name, rows.reshape(-1), checked_numel=sentinel)
+    pending = wire.reduce_scatter(codec, name, rows.reshape(-1), checked_numel=sentinel, exact_numel=layout.exact_numel)
     average_over = world if plan.scatter_op == dist.ReduceOp.AVG else None
     return LowBitReduceScatter(pending, sentinel, average_over, rows.dtype, wire)
 

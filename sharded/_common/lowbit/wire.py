@@ -168,10 +168,14 @@ class LowBitWire:
 
         return Pending(work, finish, (message, received))
 
-    def reduce_scatter(self, codec: Codec, name: str, flat: torch.Tensor, checked_numel: Optional[int] = None) -> Pending:
+    def reduce_scatter(self, codec: Codec, name: str, flat: torch.Tensor, checked_numel: Optional[int] = None,
+                       exact_numel: Optional[int] = None) -> Pending:
         """The float32 sum over ranks of chunk ``r`` of every rank's ``flat`` (``world`` equal
         chunks, 1-D), for this rank ``r``: each chunk is encoded (with this rank's residual for it
-        under error feedback), exchanged all-to-all, decoded and summed in rank order."""
+        under error feedback), exchanged all-to-all, decoded and summed in rank order.
+        ``checked_numel``: the chunk's leading elements a shadow check compares (default all);
+        ``exact_numel``: the chunk's elements as the exact collective would send it, for the
+        exact bytes counted (default its own)."""
         block, world = self.policy.block_size, self.world
         if flat.numel() % world:
             raise ValueError(f"low-bit reduce-scatter of {name}: {flat.numel()} elements do not split into {world} equal chunks")
@@ -190,7 +194,7 @@ class LowBitWire:
             work = None
             received.copy_(sent)
         each, device = messages[0].numel(), flat.device
-        self.traffic.add("reduce_scatter", each * (world - 1), n * flat.element_size() * (world - 1))
+        self.traffic.add("reduce_scatter", each * (world - 1), (exact_numel or n) * flat.element_size() * (world - 1))
 
         def finish() -> torch.Tensor:  # holds no reference to ``flat``: the caller may free it
             total = self._sum_decoded(codec, received.split(each), n, device)
