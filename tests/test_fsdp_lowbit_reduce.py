@@ -30,6 +30,7 @@ from sharded._common.lowbit import codec_for
 from tests import _fsdp_reference  # noqa: F401  (preloads layer 3 in the harness's forkserver)
 from tests._exact_sums import batch_rank
 from tests._harness import run_on_ranks
+from tests._lowbit_debt import assert_debt_paid
 from tests._models import gpt, gpt_loss, token_batch
 
 BLOCK = 64
@@ -482,12 +483,7 @@ def _resume_elsewhere(rank, world, directory):
     delivered = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
     left = checkpoint.get_state_dict(model, opt)["lowbit"]["debt"]
     assert len(_wire(model).feedback.carried) == 0 and len(_wire(model).feedback) == 3 * world
-    for n, owed in debt.items():
-        want = exact[n] + owed
-        # float32: sums of world + 1 terms of these magnitudes, in another order
-        tolerance = 8 * (world + 1) * torch.finfo(torch.float32).eps * float(want.abs().max() + owed.abs().max() + left[n].abs().max())
-        assert float((delivered[n] + left[n] - want).abs().max()) <= tolerance, n
-        assert float(owed.abs().max()) > 100 * tolerance, f"{n}: the debt is too small for the check to tell"
+    assert_debt_paid(delivered, left, exact, debt, world)
     dist.barrier()
 
 
