@@ -73,24 +73,23 @@ def test_loss_curves_plan_and_table():
     assert "| int8 | 2 | 2 | 26 | 100 | 0.260 |" in curves.markdown([only])
 
 
-def test_shadow_cost_is_each_setting_against_the_unchecked_low_bit_run(monkeypatch, tmp_path):
-    """benchmarks/lowbit_shadow.py: one launch per setting, the median step time after the warm-up
-    per stage, and its ratio to the low-bit run without checks (the launches are stubbed with
-    known step times; the example's time column itself is run by test_examples)."""
+def test_shadow_cost_compares_the_checked_steps_with_the_others_of_one_run(monkeypatch, tmp_path):
+    """benchmarks/lowbit_shadow.py: with --check-every 2 the example's odd steps (the wires' even
+    ones) are checked; after the warm-up, the medians of checked and unchecked steps per stage and
+    their ratio (the launches are stubbed with known step times; the example's time column and
+    --check-every are run by test_examples)."""
     shadow = _benchmarks_module("lowbit_shadow")
-    times = {(): [900.0, 10.0, 12.0, 11.0], ("--check-every", "1"): [900.0, 20.0, 22.0, 21.0]}
     launches = []
 
     def fake_run(world, mode, stages, steps, out, extra=()):
-        launches.append((mode, extra))
-        ms = [100.0, 30.0, 30.0, 30.0] if mode == "off" else times[tuple(extra)]
+        launches.append((mode, tuple(extra)))
+        ms = [50.0] * 6 if mode == "off" else [900.0, 10.0, 30.0, 12.0, 32.0, 11.0, 31.0]  # steps 1..7
         return {stage: {"ms": ms} for stage in stages}
 
     monkeypatch.setattr(shadow, "run", fake_run)
-    rows = shadow.measure("int8", ["2", "3"], 2, 4, [1], 1, tmp_path)
-    assert launches == [("off", ()), ("int8", ()), ("int8", ("--check-every", "1"))]
-    by = {(r["stage"], r["setting"]): r for r in rows}
-    assert by[("2", "low-bit")]["median_step_ms"] == 11.0 and by[("2", "low-bit")]["vs_low_bit"] == 1.0
-    assert by[("3", "low-bit, check every 1")]["vs_low_bit"] == 21.0 / 11.0
-    assert by[("2", "exact")]["median_step_ms"] == 30.0 and by[("2", "exact")]["mode"] == "off"
-    assert "| 3 | low-bit, check every 1 | 21.0 | 1.91 |" in shadow.markdown(rows)
+    rows = shadow.measure("int8", ["2", "3"], 2, 7, 1, tmp_path)
+    assert launches == [("off", ()), ("int8", ("--check-every", "2"))]
+    row = rows[1]
+    assert (row["stage"], row["exact_ms"], row["unchecked_ms"], row["checked_ms"]) == ("3", 50.0, 11.0, 31.0)
+    assert row["checked_vs_unchecked"] == 31.0 / 11.0 and abs(row["added_at_every_10"] - 20.0 / 110.0) < 1e-12
+    assert "| 3 | int8 | 50.0 | 11.0 | 31.0 | 2.82 | 18.2 % |" in shadow.markdown(rows)
