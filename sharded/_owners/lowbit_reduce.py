@@ -134,8 +134,8 @@ class LowBitBuckets:
         for bucket, name in old:
             if name not in kept and name in residuals:
                 feedback.carry(_by_param(bucket, residuals[name]))
-        held = {p for b in buckets for p in b.params}
-        feedback.take_carried([p for p in feedback.carried if p not in held])
+        held = {id(p) for b in buckets for p in b.params}
+        feedback.take_carried([p for p in feedback.carried if id(p) not in held])
         return feedback.keep_only(kept)
 
     def residuals_by_param(self) -> dict[torch.Tensor, torch.Tensor]:
