@@ -453,12 +453,12 @@ def _resume(rank, world, directory):
     dist.barrier()
 
 
-def _resume_elsewhere(rank, world, directory):
+def _resume_elsewhere(rank, world, directory, saved_at, save_as=None):
     """At another world size the saved residuals are resharded: every rank carries 1/W of the
     checkpoint's debt (per parameter, what the saving ranks' residuals add to the average), so
     the first reduced gradient plus the debt its own rounding leaves equals the exact average
     plus the saved debt. Without the debt they would differ by it, far above the float32
-    rounding allowed."""
+    rounding allowed. ``save_as``: then save, for the next world size to load."""
     from sharded import checkpoint
 
     caught = _Warnings()
@@ -468,12 +468,12 @@ def _resume_elsewhere(rank, world, directory):
     model = _shard(POLICY)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     state = checkpoint.get_state_dict(model, opt)
-    checkpoint.load(state, f"{directory}/w2")
+    checkpoint.load(state, f"{directory}/w{saved_at}")
     debt = {n: t.clone() for n, t in state["lowbit"]["debt"].items()}
     checkpoint.set_state_dict(model, opt, state)
     assert len(_wire(model).feedback) == 0 and len(_wire(model).feedback.carried) == len(debt) > 0
     (line,) = [m for m in caught.messages if "resharded" in m]
-    assert f"saved at world size 2) are resharded to world size {world}" in line
+    assert f"saved at world size {saved_at}) are resharded to world size {world}" in line
     ref = gpt(0)
     ref.load_state_dict({k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()})
     for r in range(world):
@@ -484,9 +484,12 @@ def _resume_elsewhere(rank, world, directory):
     left = checkpoint.get_state_dict(model, opt)["lowbit"]["debt"]
     assert len(_wire(model).feedback.carried) == 0 and len(_wire(model).feedback) == 3 * world
     assert_debt_paid(delivered, left, exact, debt, world)
+    if save_as is not None:
+        checkpoint.save(checkpoint.get_state_dict(model, opt), f"{directory}/{save_as}")
     dist.barrier()
 
 
 def test_residuals_survive_a_checkpoint_and_reshard_to_another_world_size(tmp_path):
     run_on_ranks(_resume, 2, str(tmp_path))
-    run_on_ranks(_resume_elsewhere, 3, str(tmp_path))
+    run_on_ranks(_resume_elsewhere, 3, str(tmp_path), 2, "w3")
+    run_on_ranks(_resume_elsewhere, 1, str(tmp_path), 3)
