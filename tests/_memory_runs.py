@@ -32,7 +32,7 @@ CONCURRENT = 1
 
 
 def measure(jobs: list[tuple[int, str]], timeout: float = 600.0) -> list[dict]:
-    """Run each ``(world, case)`` job (case ``model:stage[:own-storage]``, e.g. ``mlp:3``) on fresh rank
+    """Run each ``(world, case)`` job (case ``model:stage[:option...]``, e.g. ``mlp:3``, :func:`parse_case`) on fresh rank
     processes; returns per job ``{"world", "case", "measured": [peak rise per rank]}``.
 
     One "zygote" process per rank slot starts with the allocator setting and imports torch,
@@ -170,6 +170,14 @@ def estimate_case(name: str, stage: int, world: int, lowbit: Optional[str] = Non
                            built_whole=True, lowbit=stage_lowbit(stage, lowbit), **overrides)
 
 
+def parse_case(case: str) -> tuple[str, int, dict]:
+    """``model:stage[:option...]`` -> model, stage and :func:`run_case`'s options: ``own-storage``
+    (``parameters_as_bucket_view=False``), ``lowbit=MODE`` (a ``LowBit.mode`` name)."""
+    name, stage, *options = case.split(":")
+    modes = [option.split("=", 1)[1] for option in options if option.startswith("lowbit=")]
+    return name, int(stage), {"bucket_view": "own-storage" not in options, "lowbit": modes[0] if modes else None}
+
+
 def zygote(rank: int, tmp: str, jobs: list) -> None:
     """Import once, then fork one child per job this rank slot takes part in, ``CONCURRENT``
     at a time (a child's peak is its own process's, whatever runs beside it)."""
@@ -215,11 +223,8 @@ def child(rank: int, world: int, case: str, tmp: Path, index: int) -> int:
     try:
         store = dist.FileStore(str(tmp / f"store{index}"), world)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-        # e.g. "mlp:1:own-storage": parameters_as_bucket_view=False; "mlp:2:lowbit=int4-grads": LowBit.mode
-        name, stage, *options = case.split(":")
-        modes = [option.split("=", 1)[1] for option in options if option.startswith("lowbit=")]
-        rise = run_case(name, int(stage), rank, DataPeak(), bucket_view="own-storage" not in options,
-                        lowbit=modes[0] if modes else None)
+        name, stage, options = parse_case(case)
+        rise = run_case(name, stage, rank, DataPeak(), **options)
         (tmp / f"job{index}-rank{rank}.json").write_text(json.dumps(rise))
         dist.barrier()
         dist.destroy_process_group()

@@ -74,11 +74,17 @@ def replicated_layout(
     owned_grads = sum(_nbytes(p) for p in owned)
     wire = lowbit if lowbit is not None and world > 1 else None  # one rank reduces nothing, low-bit or not
     residuals = _residual_bytes(buckets, wire)
-    if profile is None:
-        in_flight = _reduce_window_bytes(buckets, busiest, wire)
-        backward, communication = declared_activations + owned_grads + in_flight, in_flight
-    else:
-        backward, communication = _zero2_walk(ready, buckets, busiest, profile, device.type == "cpu", wire)
+
+    def backward_on(rank: int) -> tuple[int, int]:
+        if profile is None:
+            in_flight = _reduce_window_bytes(buckets, rank, wire)
+            own = sum(b.grad_nbytes for b in buckets if b.owner == rank)
+            return declared_activations + own + in_flight, in_flight
+        return _zero2_walk(ready, buckets, rank, profile, device.type == "cpu", wire)
+
+    # low-bit: each rank's encodes and received messages differ by the buckets it owns, so the
+    # rank whose backward holds the most need not be the one that owns the most; walk every rank
+    backward, communication = max(backward_on(r) for r in (range(world) if wire is not None else [busiest]))
     calls = (len(buckets) + calls) if world > 1 else 0
     if wire is not None:
         sent = int(ring * grad_bytes) + _reduce_sent(buckets, wire)

@@ -191,7 +191,8 @@ def _backward_walk(
         reducing.beyond(MAX_REDUCTIONS_IN_FLIGHT - 1)  # finished before this unit's reduction starts
         if unit.wire.encoding:  # low-bit: its gradients packed and encoded, its gathered parameters freed
             comm = gathered - (unit.gathered_bytes if reshard_after_forward and not kept else 0) + held_by_reductions()
-            moment = done_grads + held_root + comm + unit.wire.encoding + activations[i]
+            # its backward is done: what activations are left are the next stretch's at its start
+            moment = done_grads + held_root + comm + unit.wire.encoding + min(activations[i], activations[i + 1])
             if moment > peak:
                 peak, comm_at_peak = moment, comm + unit.wire.encoding + root.gathered_bytes
         done_grads += unit.grad_bytes
