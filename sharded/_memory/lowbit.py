@@ -190,7 +190,9 @@ def _decode_peak(codec: Codec, numel: int, block: int, summed: bool) -> int:
 class UnitWire:
     """What one ZeRO-3 unit's low-bit collectives hold on a rank (``None``: that collective is
     exact for the unit). ``gather_in_flight``: a gather's message and the ``W`` it receives (in
-    place of the exact gather's output buffer); ``reduce_in_flight``: a reduce-scatter's ``W``
+    place of the exact gather's output buffer); ``gather_finish``: the most its wait holds (the
+    pieces decoded into one float32 output beside the messages, then that output copied into the
+    unsharded parameters); ``reduce_in_flight``: a reduce-scatter's ``W``
     messages sent and ``W`` received (its float32 send buffer is freed once encoded);
     ``encoding``: the most its start holds at once (the packed gradients, the rows encoded one
     by one, then joined); ``residuals``: error feedback's float32 residual of every row this
@@ -199,28 +201,35 @@ class UnitWire:
     residuals: int = 0
     gather_in_flight: Optional[int] = None
     gather_message: Optional[int] = None
+    gather_finish: int = 0
     reduce_in_flight: Optional[int] = None
     reduce_message: Optional[int] = None
     encoding: int = 0
 
 
-def unit_wire(cost: LowBitCost, shard_numel: int, shard_dtype: torch.dtype, row_numel: int, reduce_dtype: torch.dtype) -> UnitWire:
+def unit_wire(cost: LowBitCost, shard_numel: int, shard_dtype: torch.dtype, gathered_bytes: int, row_numel: int,
+              reduce_dtype: torch.dtype) -> UnitWire:
     """A unit's :class:`UnitWire`: ``shard_numel`` elements of ``shard_dtype`` gathered (its
-    flat shard), ``row_numel`` per row of its packed gradients (``gradient_widths``) in
-    ``reduce_dtype`` (0: nothing trainable)."""
+    flat shard) into ``gathered_bytes`` of unsharded parameters, ``row_numel`` per row of its
+    packed gradients (``gradient_widths``) in ``reduce_dtype`` (0: nothing trainable)."""
     world = cost.world
     gather = cost.message_bytes("params", shard_numel, shard_dtype) if shard_numel else None
+    gathering = {}
+    if gather is not None:
+        decoded = 4 * world * shard_numel
+        decoding = (world + 1) * gather + cost.decode_peak("params", shard_numel, shard_dtype, summed=False)
+        gathering = {"gather_in_flight": (world + 1) * gather, "gather_message": gather,
+                     "gather_finish": decoded + max(decoding, gathered_bytes)}
     row = cost.message_bytes("grads", row_numel, reduce_dtype) if row_numel else None
     if row is None:
-        return UnitWire(0, None if gather is None else (world + 1) * gather, gather)
+        return UnitWire(**gathering)
     packed = world * row_numel * reduce_dtype.itemsize
     encoding = packed + max((world - 1) * row + cost.encode_peak("grads", row_numel, reduce_dtype), 3 * world * row)
     return UnitWire(
         residuals=world * row_numel * 4 if cost.feedback else 0,
-        gather_in_flight=None if gather is None else (world + 1) * gather,
-        gather_message=gather,
         reduce_in_flight=2 * world * row,
         reduce_message=row,
         encoding=encoding,
+        **gathering,
     )
 

@@ -162,6 +162,7 @@ def _backward_walk(
     in place of what each unit's gather and prefetch would hold.
 
     Low-bit (``UnitSize.wire``): a prefetch and a reduction in flight hold their messages instead;
+    the wait for a unit's gather, before it computes, decodes them into a float32 output;
     packing is then a moment of its own, the packed gradients beside the rows' encoding
     (everything the reductions before it and the prefetch hold, the unit's gathered parameters
     freed, its full gradients copied in and let go).
@@ -184,6 +185,10 @@ def _backward_walk(
             gathered = unit.gathered_bytes + (order[i + 1].prefetch_bytes if i + 1 < len(order) else 0)
         else:  # SHARD_GRAD_OP: every unit not yet reached stays gathered
             gathered = sum(u.gathered_bytes for u in order[i:])
+        if unit.wire.gather_finish and reshard_after_forward and not kept:  # its low-bit gather decoded and copied out
+            decoding = done_grads + held_root + held_by_reductions() + unit.wire.gather_finish + activations[i]
+            if decoding > peak:
+                peak, comm_at_peak = decoding, held_by_reductions() + unit.wire.gather_finish + root.gathered_bytes
         comm = gathered + held_by_reductions()
         moment = done_grads + held_root + unit.full_bytes + comm + activations[i]
         if moment > peak:
@@ -256,7 +261,7 @@ def _unit_size(params: list[nn.Parameter], world: int, param_dtype: Any, reduce_
     if lowbit is not None:
         slots_only: Any = [_Slot(ShardGeometry(p.shape, world)) for p in trainable]  # all gradient_widths reads of a ShardedParam
         widths = gradient_widths(slots_only, lowbit.policy.block_size) if trainable else []
-        wire = unit_wire(lowbit, slots, params[0].dtype, sum(widths), reduce_dtype or params[0].dtype)
+        wire = unit_wire(lowbit, slots, params[0].dtype, world * slots * gathered_itemsize, sum(widths), reduce_dtype or params[0].dtype)
     return UnitSize(
         aliases_shards=world == 1 and param_dtype in (None, params[0].dtype) and wire.gather_message is None,
         wire=wire,
