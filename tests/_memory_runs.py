@@ -21,6 +21,7 @@ import subprocess
 import tempfile
 import sys
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 # Jobs of one world size measured at once, each in processes of its own. 1: ZeRO-2's peak
@@ -31,7 +32,7 @@ CONCURRENT = 1
 
 
 def measure(jobs: list[tuple[int, str]], timeout: float = 600.0) -> list[dict]:
-    """Run each ``(world, case)`` job (case ``model:stage[:own-storage]``, e.g. ``mlp:3``) on fresh rank
+    """Run each ``(world, case)`` job (case ``model:stage[:option...]``, e.g. ``mlp:3``, :func:`parse_case`) on fresh rank
     processes; returns per job ``{"world", "case", "measured": [peak rise per rank]}``.
 
     One "zygote" process per rank slot starts with the allocator setting and imports torch,
@@ -92,7 +93,25 @@ def loss_of(name: str, model, batch):
     return next_token_loss(model, batch)
 
 
-def wrap(stage: int, model, unit_class, bucket_view: bool = True):
+def stage_lowbit(stage: int, mode: Optional[str]):
+    """What the stage's wrapper takes of the low-bit mode ``mode`` (``None``: exact): ZeRO-1's
+    ``OSS`` its parameter format, ZeRO-2's ``ShardedDataParallel`` its gradient format, ZeRO-3's
+    ``fully_shard`` both."""
+    import dataclasses
+
+    from sharded import LowBit
+
+    if mode is None:
+        return None
+    policy = LowBit.mode(mode)
+    if stage == 1:
+        return dataclasses.replace(policy, grads=None)
+    if stage == 2:
+        return dataclasses.replace(policy, params=None)
+    return policy
+
+
+def wrap(stage: int, model, unit_class, bucket_view: bool = True, lowbit=None):
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -102,14 +121,15 @@ def wrap(stage: int, model, unit_class, bucket_view: bool = True):
         return DDP(model), torch.optim.Adam(model.parameters())
     if stage == 3:
         for sub in [m for m in model.modules() if isinstance(m, unit_class) and m is not model]:
-            fully_shard(sub)
-        fully_shard(model)
+            fully_shard(sub, lowbit=lowbit)
+        fully_shard(model, lowbit=lowbit)
         return model, torch.optim.Adam(model.parameters())
-    optimizer = OSS(model.parameters(), torch.optim.Adam, parameters_as_bucket_view=bucket_view)
-    return (DDP(model) if stage == 1 else ShardedDataParallel(model, optimizer)), optimizer
+    optimizer = OSS(model.parameters(), torch.optim.Adam, parameters_as_bucket_view=bucket_view,
+                    lowbit=lowbit if stage == 1 else None)
+    return (DDP(model) if stage == 1 else ShardedDataParallel(model, optimizer, lowbit=lowbit)), optimizer
 
 
-def run_case(name: str, stage: int, rank: int, peak, bucket_view: bool = True) -> int:
+def run_case(name: str, stage: int, rank: int, peak, bucket_view: bool = True, lowbit: Optional[str] = None) -> int:
     """The data peak in bytes (``peak``'s rise, examples/peak_memory.py) of two training steps of
     ``name`` at ``stage`` and the third step's backward, model build included.
 
@@ -117,9 +137,14 @@ def run_case(name: str, stage: int, rank: int, peak, bucket_view: bool = True) -
     The third backward is the first of the steady state: DDP re-plans its buckets in the
     second step's forward by the order the first backward saw, freeing the old ones, so only
     from the third backward on are its buckets resident from the start beside the activations.
-    A third optimizer step would only repeat the first's peak."""
+    A third optimizer step would only repeat the first's peak. ``lowbit``: a ``LowBit.mode``
+    name, of which the stage's wrapper takes its part (:func:`stage_lowbit`).
+
+    With low-bit parameters at ZeRO-1, the second optimizer step is the first that holds the
+    masters the first one kept beside the replicas it sets aside, so its peak is every later
+    step's; low-bit gradients' residuals exist from the first backward on."""
     model, unit_class = build_model(name)
-    wrapped, optimizer = wrap(stage, model, unit_class, bucket_view)
+    wrapped, optimizer = wrap(stage, model, unit_class, bucket_view, stage_lowbit(stage, lowbit))
     for step in range(3):
         optimizer.zero_grad()
         loss_of(name, wrapped, batch_for(name, rank, step)).backward()
@@ -132,7 +157,7 @@ def run_case(name: str, stage: int, rank: int, peak, bucket_view: bool = True) -
     return rise
 
 
-def estimate_case(name: str, stage: int, world: int, **overrides):
+def estimate_case(name: str, stage: int, world: int, lowbit: Optional[str] = None, **overrides):
     """``sharded.estimate_memory`` for a case, from a meta-device copy of its model."""
     import torch
 
@@ -142,7 +167,15 @@ def estimate_case(name: str, stage: int, world: int, **overrides):
         model, unit_class = build_model(name)
     return estimate_memory(model, world_size=world, stage=stage, optimizer=torch.optim.Adam, wrap={unit_class},
                            example_input=batch_for(name, 0, 0), loss_fn=lambda m, b: loss_of(name, m, b),
-                           built_whole=True, **overrides)
+                           built_whole=True, lowbit=stage_lowbit(stage, lowbit), **overrides)
+
+
+def parse_case(case: str) -> tuple[str, int, dict]:
+    """``model:stage[:option...]`` -> model, stage and :func:`run_case`'s options: ``own-storage``
+    (``parameters_as_bucket_view=False``), ``lowbit=MODE`` (a ``LowBit.mode`` name)."""
+    name, stage, *options = case.split(":")
+    modes = [option.split("=", 1)[1] for option in options if option.startswith("lowbit=")]
+    return name, int(stage), {"bucket_view": "own-storage" not in options, "lowbit": modes[0] if modes else None}
 
 
 def zygote(rank: int, tmp: str, jobs: list) -> None:
@@ -190,8 +223,8 @@ def child(rank: int, world: int, case: str, tmp: Path, index: int) -> int:
     try:
         store = dist.FileStore(str(tmp / f"store{index}"), world)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-        name, stage, *options = case.split(":")  # e.g. "mlp:1:own-storage": parameters_as_bucket_view=False
-        rise = run_case(name, int(stage), rank, DataPeak(), bucket_view="own-storage" not in options)
+        name, stage, options = parse_case(case)
+        rise = run_case(name, stage, rank, DataPeak(), **options)
         (tmp / f"job{index}-rank{rank}.json").write_text(json.dumps(rise))
         dist.barrier()
         dist.destroy_process_group()

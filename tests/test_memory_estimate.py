@@ -1,5 +1,6 @@
 """estimate_memory's peak against measured peaks: stages 0-3 at world 2 and 3, on a GPT of the
-example's shape and on a 67M-parameter MLP (16 x Linear(2048, 2048), Adam), within 5 %.
+example's shape and on a 67M-parameter MLP (16 x Linear(2048, 2048), Adam), within 5 %; and
+with low-bit communication (``lowbit=``) at stages 1-3 on the GPT at world 2, within the same.
 
 Each case runs in fresh rank processes forked from one per rank slot that imported torch once
 (tests/_memory_runs.py), one case after another; two steps and the third backward per case, the
@@ -10,7 +11,7 @@ peak). This is the suite's most expensive test (about 3 CPU-minutes)."""
 from __future__ import annotations
 
 from tests._device import cpu_only
-from tests._memory_runs import estimate_case, measure
+from tests._memory_runs import estimate_case, measure, parse_case
 
 pytestmark = cpu_only("the measured peak is VmHWM's rise on gloo; on CUDA benchmarks/gpu_check.py compares max_memory_allocated")
 
@@ -19,12 +20,30 @@ TOLERANCE = 0.05
 
 def test_estimated_peak_is_within_5_percent_of_the_measured_peak():
     jobs = [(world, f"{model}:{stage}") for world in (2, 3) for stage in range(4) for model in ("mlp", "gpt")]
+    misses = _misses(jobs)
+    assert not misses, "\n".join(misses)
+
+
+def test_low_bit_estimated_peak_is_within_5_percent_of_the_measured_peak():
+    """int8 at each stage (the part of ``LowBit.mode("int8")`` the stage's wrapper takes) and
+    int4 gradients at ZeRO-2, on the GPT at world 2: the same tolerance as the exact stages,
+    since the low-bit terms (masters, residuals, messages, the encodes' temporaries) are counted
+    from the code's own buffers, not fitted. On 2026-11-27 (about 75 s): 0.993 of the measured
+    peak at ZeRO-1, 0.994 and 0.993 at ZeRO-2 (int8, int4), 0.972 at ZeRO-3 (whose exact case
+    was 0.980 the same day)."""
+    jobs = [(2, f"gpt:{case}") for case in ("1:lowbit=int8", "2:lowbit=int8", "2:lowbit=int4-grads", "3:lowbit=int8")]
+    misses = _misses(jobs)
+    assert not misses, "\n".join(misses)
+
+
+def _misses(jobs: list[tuple[int, str]]) -> list[str]:
+    """The jobs whose estimated peak is off the largest measured rank's by more than ``TOLERANCE``."""
     misses = []
     for result in measure(jobs):
-        name, stage = result["case"].split(":")
-        estimate = estimate_case(name, int(stage), result["world"]).peak_bytes
+        name, stage, options = parse_case(result["case"])
+        estimate = estimate_case(name, stage, result["world"], lowbit=options["lowbit"]).peak_bytes
         measured = max(result["measured"])
         if abs(estimate / measured - 1) > TOLERANCE:
             misses.append(f"{result['case']} at world {result['world']}: estimated {estimate / 2**20:.1f} MiB, "
                           f"measured {measured / 2**20:.1f} MiB per rank")
-    assert not misses, "\n".join(misses)
+    return misses

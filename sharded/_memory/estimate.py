@@ -23,8 +23,10 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from .._common.lowbit import LowBit
 from .._owners.step_cost import default_param_cost
 from .layout import RUNTIME_BYTES, STAGE_NAMES
+from .lowbit import LowBitCost, check_stage_policy
 from .trial import ActivationProfile, activation_trial, optimizer_trial
 
 __all__ = ["MemoryEstimate", "estimate_memory", "RUNTIME_BYTES", "STAGE_NAMES"]
@@ -86,6 +88,7 @@ def estimate_memory(
     built_whole: bool = False,
     runtime_bytes: int = RUNTIME_BYTES,
     parameters_as_bucket_view: bool = True,
+    lowbit: Optional[LowBit] = None,
 ) -> MemoryEstimate:
     """Estimate the memory of one training step for the busiest rank, without allocating it.
 
@@ -124,6 +127,18 @@ def estimate_memory(
             unpacked, so the measured peak is lower (the 67M-parameter MLP at world 2 with
             Adam: 1187-1244 MiB measured against 1283 estimated at ZeRO-1, 835 against 898 at
             ZeRO-2; 1059 and 677-679 with bucket views, estimated 1059 and 674).
+        lowbit: the stage's ``sharded.LowBit`` policy, as its wrapper takes it: stage 1
+            ``OSS(lowbit=LowBit(params=...))`` (each owner keeps an exact master of the
+            parameters it owns, and sets their replicas aside during the optimizer step; the
+            changes travel encoded after it), stage 2 ``ShardedDataParallel(lowbit=LowBit(grads=...))``
+            (each bucket's message and encoding, the owner's ``W`` received messages, and under
+            error feedback a float32 residual of every bucket on every rank), stage 3
+            ``fully_shard(lowbit=...)`` with either or both (the gathers' and reduce-scatters'
+            messages, the rows' encoding, and the residual of every row a rank sends). What the
+            stage's wrapper refuses is refused, with a ``ValueError`` naming the field.
+            ``bytes_sent`` then counts the codec's messages. Shadow-check steps
+            (``check_every``) run an exact collective beside each low-bit one; their buffers
+            are not counted.
     """
     if stage not in STAGE_NAMES:
         raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3, got {stage!r}")
@@ -133,6 +148,7 @@ def estimate_memory(
         raise ValueError(f"keep_unsharded_storage applies to stage 3 (fully_shard) only, not to stage {stage}")
     if not parameters_as_bucket_view and stage not in (1, 2):
         raise ValueError(f"parameters_as_bucket_view is OSS's option (stages 1 and 2), not {STAGE_NAMES[stage]}'s")
+    policy = check_stage_policy(lowbit, stage)
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("estimate_memory: the model has no trainable parameters")
@@ -140,24 +156,26 @@ def estimate_memory(
     kwargs = dict(optimizer_kwargs or {})
     profile = _activation_profile(model, example_input, loss_fn, activation_bytes, device)
     activations = profile.peak if profile is not None else int(activation_bytes or 0)
+    wire = LowBitCost(policy, world_size, lazy_pages=device.type == "cpu") if policy is not None else None
     if stage == 3:
         from .zero3 import zero3_layout
 
         layout = zero3_layout(
-            model, world_size, wrap, mixed_precision, reshard_after_forward, device, profile, activations, keep_unsharded_storage
+            model, world_size, wrap, mixed_precision, reshard_after_forward, device, profile, activations, keep_unsharded_storage,
+            wire,
         )
     else:
         from .replicated import replicated_layout
 
         layout = replicated_layout(model, world_size, stage, profile, activations, device, default_param_cost(optimizer),
-                                   parameters_as_bucket_view)
+                                   parameters_as_bucket_view, wire)
     trial = optimizer_trial(optimizer, kwargs, layout.optimizer_shapes)
     # the peak backward is a later step's, by when the process has paid its runtime bytes
     backward = layout.parameters + trial.state_bytes + layout.backward_bytes + runtime_bytes
     step = layout.parameters + layout.gradients + layout.held_in_step + trial.state_bytes + trial.step_bytes + runtime_bytes
     build = layout.build_bytes if built_whole else layout.parameters + layout.largest_unit_bytes
     phases = {"build": build, "backward": backward, "optimizer step": step}
-    if layout.broadcast_bytes:  # the step's temporaries are gone; the packed messages are in flight
+    if layout.broadcast_bytes:  # the step's temporaries are gone; the packed or low-bit messages are in flight
         phases["broadcast"] = step - trial.step_bytes + layout.broadcast_bytes
     return MemoryEstimate(
         stage=stage,

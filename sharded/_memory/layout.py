@@ -34,9 +34,11 @@ class Layout:
     ``backward_bytes``: activations, gradients and communication buffers held at backward's
     worst moment;
     ``held_in_step``: communication buffers still held during the optimizer step (DDP's
-    buckets); ``build_bytes``: the most held while the model is built and wrapped;
+    buckets; with ``lowbit``, ZeRO-1's masters and the replicas set aside, the error-feedback
+    residuals); ``build_bytes``: the most held while the model is built and wrapped;
     ``broadcast_bytes``: the owners' broadcast messages alive after the step (ZeRO-1/2 with
-    ``parameters_as_bucket_view=False``: a packed copy of every bucket of several parameters).
+    ``parameters_as_bucket_view=False``: a packed copy of every bucket of several parameters;
+    ZeRO-1 with ``lowbit``: the changes, messages and their encoding and decoding).
     """
 
     parameters: int

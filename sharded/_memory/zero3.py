@@ -13,9 +13,11 @@ import torch
 from torch import nn
 
 from .._common.in_flight import MAX_REDUCTIONS_IN_FLIGHT, InFlight
+from ..fsdp._flat_buffers import gradient_widths
 from ..fsdp._param import ShardGeometry
 from ..fsdp.wrap import as_wrap_policy, modules_to_wrap
 from .layout import Layout
+from .lowbit import LowBitCost, UnitWire, unit_wire
 from .trial import ActivationProfile
 
 __all__ = ["zero3_layout"]
@@ -33,29 +35,46 @@ class UnitSize:
     full_bytes: int
     is_root: bool
     aliases_shards: bool = False  # one rank, no dtype change: the gathered parameters view the shards
+    wire: UnitWire = UnitWire()  # fully_shard(lowbit=...)'s collectives (exact where it has none)
 
     def kept_bytes(self, keep_unsharded_storage: bool) -> int:
         """What the unit holds between uses: its gathered storage, if kept (and not the shards')."""
         return self.gathered_bytes if keep_unsharded_storage and not self.aliases_shards else 0
 
+    @property
+    def prefetch_bytes(self) -> int:
+        """What a gather of the unit in flight holds: its output buffer, or its low-bit messages."""
+        return self.gathered_bytes if self.wire.gather_in_flight is None else self.wire.gather_in_flight
+
+    def reducing_bytes(self, world: int, gloo: bool) -> int:
+        """What the unit's reduce-scatter holds until it completes: on gloo the other ranks'
+        chunks (it copied its input), else its send buffer; or its low-bit messages."""
+        if self.wire.reduce_in_flight is not None:
+            return self.wire.reduce_in_flight
+        return self.reduce_bytes * (world - 1) // world if gloo else self.reduce_bytes
+
 
 def zero3_layout(
     model: nn.Module, world: int, wrap: Any, mixed_precision: Any, reshard_after_forward: bool, device: torch.device,
     profile: Optional[ActivationProfile], declared_activations: int, keep_unsharded_storage: bool = False,
+    lowbit: Optional[LowBitCost] = None,
 ) -> Layout:
     """The busiest rank's ZeRO-3 layout (rank 0: it holds the most real rows of every parameter).
 
     The activations alive while each unit computes its gradients come from ``profile`` (the
     trial's bytes between the unit's first and last gradient) or, without one, from
     ``declared_activations`` leaving evenly unit by unit. ``keep_unsharded_storage``: every
-    unit holds its gathered parameters' storage all step, the optimizer step included."""
+    unit holds its gathered parameters' storage all step, the optimizer step included.
+    ``lowbit``: ``fully_shard(lowbit=...)``'s costs (:func:`.lowbit.unit_wire`): each unit's
+    gathers and reduce-scatter in flight hold their messages, its reduce-scatter's start
+    encodes the rows, and error feedback keeps a residual of every row all step."""
     param_dtype = getattr(mixed_precision, "param_dtype", None)
     units: list[UnitSize] = []
     shapes: list[tuple[torch.Size, torch.dtype]] = []
     unit_params = _units(model, wrap)
     for module, params in unit_params:
         reduce_dtype = _reduce_dtype(mixed_precision, params)
-        units.append(_unit_size(params, world, param_dtype, reduce_dtype, is_root=module is model))
+        units.append(_unit_size(params, world, param_dtype, reduce_dtype, is_root=module is model, lowbit=lowbit))
         shapes.extend(_rank0_shape(p, world) for p in params if p.requires_grad)
     gloo = device.type == "cpu" and world > 1
     children = [params for module, params in unit_params if module is not model]
@@ -66,19 +85,20 @@ def zero3_layout(
         during = [declared_activations * (n - i) // n for i in range(n)] + [0]
     kept = sum(u.kept_bytes(keep_unsharded_storage) for u in units if not u.is_root)
     backward, communication = _backward_walk(units, world, reshard_after_forward, gloo, during, kept)
+    residuals = sum(u.wire.residuals for u in units)
     shard = sum(u.shard_bytes for u in units)
     grads = sum(u.grad_bytes for u in units)
     full = sum(u.full_bytes for u in units)
     ring = (world - 1) / world
     gathers = len(units) + (sum(1 for u in units if not u.is_root) if reshard_after_forward else 0)
-    sent = ring * (sum(u.gathered_bytes for u in units) + sum(u.gathered_bytes for u in units if not u.is_root and reshard_after_forward))
-    sent += ring * sum(u.reduce_bytes for u in units)  # reduce-scatter
+    sent = sum(_gather_sent(u, world) for u in units) + sum(_gather_sent(u, world) for u in units if not u.is_root and reshard_after_forward)
+    sent += sum(_reduce_sent(u, world) for u in units)
     return Layout(
         parameters=shard,
         gradients=grads,
         communication=communication,
-        backward_bytes=backward,
-        held_in_step=sum(u.kept_bytes(keep_unsharded_storage) for u in units),
+        backward_bytes=backward + residuals,
+        held_in_step=sum(u.kept_bytes(keep_unsharded_storage) for u in units) + residuals,
         build_bytes=full + shard,
         largest_unit_bytes=max(u.full_bytes for u in units),
         optimizer_shapes=shapes,
@@ -140,6 +160,12 @@ def _backward_walk(
     NCCL the send buffer itself stays until the reduction is waited for. ``kept``: the
     gathered storage the child units keep (``set_keep_unsharded_storage``), held all backward
     in place of what each unit's gather and prefetch would hold.
+
+    Low-bit (``UnitSize.wire``): a prefetch and a reduction in flight hold their messages instead;
+    the wait for a unit's gather, before it computes, decodes them into a float32 output;
+    packing is then a moment of its own, the packed gradients beside the rows' encoding
+    (everything the reductions before it and the prefetch hold, the unit's gathered parameters
+    freed, its full gradients copied in and let go).
     """
     children = [u for u in units if not u.is_root]
     root = next(u for u in units if u.is_root)
@@ -148,7 +174,7 @@ def _backward_walk(
     reducing: InFlight[UnitSize] = InFlight()
 
     def held_by_reductions() -> int:
-        return sum(u.reduce_bytes * (world - 1) // world if gloo else u.reduce_bytes for u in reducing)
+        return sum(u.reducing_bytes(world, gloo) for u in reducing)
 
     held_root = root.gathered_bytes + root.full_bytes
     peak, comm_at_peak, done_grads = (activations[0], 0, 0) if not order else (0, 0, 0)
@@ -156,19 +182,32 @@ def _backward_walk(
         if kept:
             gathered = kept
         elif reshard_after_forward:
-            gathered = unit.gathered_bytes + (order[i + 1].gathered_bytes if i + 1 < len(order) else 0)
+            gathered = unit.gathered_bytes + (order[i + 1].prefetch_bytes if i + 1 < len(order) else 0)
         else:  # SHARD_GRAD_OP: every unit not yet reached stays gathered
             gathered = sum(u.gathered_bytes for u in order[i:])
+        if unit.wire.gather_finish and reshard_after_forward and not kept:  # its low-bit gather decoded and copied out
+            decoding = done_grads + held_root + held_by_reductions() + unit.wire.gather_finish + activations[i]
+            if decoding > peak:
+                peak, comm_at_peak = decoding, held_by_reductions() + unit.wire.gather_finish + root.gathered_bytes
         comm = gathered + held_by_reductions()
         moment = done_grads + held_root + unit.full_bytes + comm + activations[i]
         if moment > peak:
             peak, comm_at_peak = moment, comm + root.gathered_bytes
-        done_grads += unit.grad_bytes
         reducing.beyond(MAX_REDUCTIONS_IN_FLIGHT - 1)  # finished before this unit's reduction starts
+        if unit.wire.encoding:  # low-bit: its gradients packed and encoded, its gathered parameters freed
+            comm = gathered - (unit.gathered_bytes if reshard_after_forward and not kept else 0) + held_by_reductions()
+            # its backward is done: what activations are left are the next stretch's at its start
+            moment = done_grads + held_root + comm + unit.wire.encoding + min(activations[i], activations[i + 1])
+            if moment > peak:
+                peak, comm_at_peak = moment, comm + unit.wire.encoding + root.gathered_bytes
+        done_grads += unit.grad_bytes
         reducing.add(unit)
     # the root's reduction, last: its gathered parameters and its send buffer
     comm = 2 * root.gathered_bytes + held_by_reductions() + kept
     moment = done_grads + root.full_bytes + comm + activations[-1]
+    if root.wire.encoding:  # low-bit: the send buffer and its gradients give way to their encoding
+        comm = root.gathered_bytes + held_by_reductions() + kept + root.wire.encoding
+        moment = max(moment, done_grads + comm + activations[-1])
     if moment > peak:
         peak, comm_at_peak = moment, comm
     return peak, comm_at_peak
@@ -208,7 +247,8 @@ def _reduce_dtype(mixed_precision: Any, params: list[nn.Parameter]) -> Optional[
     return promoted([grad_dtype_of(p) or p.dtype for p in params if p.requires_grad], params[0].dtype)
 
 
-def _unit_size(params: list[nn.Parameter], world: int, param_dtype: Any, reduce_dtype: Optional[torch.dtype], is_root: bool) -> UnitSize:
+def _unit_size(params: list[nn.Parameter], world: int, param_dtype: Any, reduce_dtype: Optional[torch.dtype], is_root: bool,
+               lowbit: Optional[LowBitCost] = None) -> UnitSize:
     if not params:
         return UnitSize(0, 0, 0, 0, 0, is_root)
     itemsize = params[0].element_size()
@@ -217,8 +257,14 @@ def _unit_size(params: list[nn.Parameter], world: int, param_dtype: Any, reduce_
     slots = sum(ShardGeometry(p.shape, world).slot_numel for p in params)
     trainable = [p for p in params if p.requires_grad]
     grad_slots = sum(ShardGeometry(p.shape, world).slot_numel for p in trainable) + len(trainable)
+    wire = UnitWire()
+    if lowbit is not None:
+        slots_only: Any = [_Slot(ShardGeometry(p.shape, world)) for p in trainable]  # all gradient_widths reads of a ShardedParam
+        widths = gradient_widths(slots_only, lowbit.policy.block_size) if trainable else []
+        wire = unit_wire(lowbit, slots, params[0].dtype, world * slots * gathered_itemsize, sum(widths), reduce_dtype or params[0].dtype)
     return UnitSize(
-        aliases_shards=world == 1 and param_dtype in (None, params[0].dtype),
+        aliases_shards=world == 1 and param_dtype in (None, params[0].dtype) and wire.gather_message is None,
+        wire=wire,
         shard_bytes=slots * itemsize,
         grad_bytes=grad_slots * itemsize if trainable else 0,
         gathered_bytes=world * slots * gathered_itemsize,
@@ -226,6 +272,27 @@ def _unit_size(params: list[nn.Parameter], world: int, param_dtype: Any, reduce_
         full_bytes=sum(p.numel() for p in params) * gathered_itemsize,
         is_root=is_root,
     )
+
+
+class _Slot:
+    """A parameter as ``gradient_widths`` reads it: its shard geometry."""
+
+    def __init__(self, geometry: ShardGeometry) -> None:
+        self.geometry = geometry
+
+
+def _gather_sent(unit: UnitSize, world: int) -> float:
+    """This rank's bytes in one gather of ``unit``: ``W - 1`` copies of its shard, exact or its message."""
+    if unit.wire.gather_message is not None:
+        return (world - 1) * unit.wire.gather_message
+    return (world - 1) / world * unit.gathered_bytes
+
+
+def _reduce_sent(unit: UnitSize, world: int) -> float:
+    """This rank's bytes in ``unit``'s reduce-scatter: ``W - 1`` rows, exact or their messages."""
+    if unit.wire.reduce_message is not None:
+        return (world - 1) * unit.wire.reduce_message
+    return (world - 1) / world * unit.reduce_bytes
 
 
 def _rank0_shape(p: nn.Parameter, world: int) -> tuple[torch.Size, torch.dtype]:
