@@ -72,7 +72,7 @@ class Recorder:
             return sent, layout
 
         def sending(codec, name, flat, **kwargs):
-            self.calls[-1].update(name=name, flat=flat.clone(), residuals=dict(wire.feedback.state_dict()))
+            self.calls[-1].update(name=name, flat=flat.clone(), residuals={k: v.clone() for k, v in wire.feedback.state_dict().items()})
             return send(codec, name, flat, **kwargs)
 
         _reduction.pack_gradients, wire.reduce_scatter = packing, sending

@@ -140,7 +140,7 @@ class LowBitParams:
             self._keep_masters(bucket.tensors)
             bases = [replicas[p] for p in bucket.tensors]
         else:
-            change = torch.empty(numel, dtype=torch.float32, device=device)
+            change = torch.zeros((), dtype=torch.float32, device=device).expand(numel)  # its size only: no memory
             bases = list(bucket.tensors)
         base = torch.cat([b.detach().float().reshape(-1) for b in bases]) if self.wire.checking else None
         pending = self.wire.broadcast(codec, change, bucket.src, base=base)

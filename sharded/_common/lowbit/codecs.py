@@ -56,12 +56,14 @@ class Codec:
     def encode(self, x: torch.Tensor, block_size: int) -> torch.Tensor:
         """``x`` (1-D, any floating dtype) as one ``uint8`` message: block scales, then values."""
         blocks = _padded(x, block_size)
-        absmax = blocks.abs().amax(dim=1)
+        low, high = torch.aminmax(blocks, dim=1)  # |x|'s largest without a temporary |x| of every element
+        absmax = torch.maximum(high, low.neg())
         scale = absmax / self.levels
         finite = torch.isfinite(scale)
         scale = torch.where(finite, scale, torch.full_like(scale, float("nan")))
         divisor = torch.where(finite & (scale > 0), scale, torch.ones_like(scale))
-        values = self._encode_values((blocks / divisor[:, None]).masked_fill(~finite[:, None], 0.0))
+        # one block-sized temporary, worked on in place (what a bucket's encode holds beside it)
+        values = self._encode_values((blocks / divisor[:, None]).masked_fill_(~finite[:, None], 0.0))
         message = torch.empty(self.message_numel(x.numel(), block_size), dtype=torch.uint8, device=x.device)
         head = scale.numel() * _SCALE_BYTES
         message[:head].view(torch.float32).copy_(scale)
@@ -75,7 +77,7 @@ class Codec:
         head = blocks * _SCALE_BYTES
         scale = message[:head].view(torch.float32)
         values = self._decode_values(message[head:], blocks, block_size)
-        decoded = (values * scale[:, None]).reshape(-1)[:numel]
+        decoded = values.mul_(scale[:, None]).reshape(-1)[:numel]  # ``values`` is a fresh float32 tensor
         if out is None:
             return decoded
         out.copy_(decoded.view_as(out))
@@ -105,7 +107,7 @@ class Int8(Codec):
     name, bits, levels = "int8", 8, 127.0
 
     def _encode_values(self, scaled: torch.Tensor) -> torch.Tensor:
-        return scaled.round().clamp_(-127, 127).to(torch.int8).view(torch.uint8)
+        return scaled.round_().clamp_(-127, 127).to(torch.int8).view(torch.uint8)
 
     def _decode_values(self, data: torch.Tensor, blocks: int, block_size: int) -> torch.Tensor:
         return data.view(torch.int8).view(blocks, block_size).float()
@@ -117,7 +119,7 @@ class Int4(Codec):
     name, bits, levels = "int4", 4, 7.0
 
     def _encode_values(self, scaled: torch.Tensor) -> torch.Tensor:
-        nibbles = (scaled.round().clamp_(-7, 7) + 8).to(torch.uint8).view(-1, 2)
+        nibbles = scaled.round_().clamp_(-7, 7).add_(8).to(torch.uint8).view(-1, 2)
         return nibbles[:, 0] | (nibbles[:, 1] << 4)
 
     def _decode_values(self, data: torch.Tensor, blocks: int, block_size: int) -> torch.Tensor:

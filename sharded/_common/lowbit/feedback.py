@@ -42,15 +42,18 @@ class ErrorFeedback:
     def encode(self, key: str, x: torch.Tensor, codec: Codec, block_size: int) -> torch.Tensor:
         """``x`` plus its residual, encoded; the new residual is kept. A residual whose size no
         longer matches ``x`` (the wrapper was rebuilt with other buckets) is dropped."""
-        meant = x.detach().reshape(-1).float()
+        x = x.detach().reshape(-1)
         residual = self._residuals.get(key)
-        if residual is not None and residual.shape == meant.shape:
-            meant = meant + residual.to(meant.device)  # a residual loaded from a checkpoint lies on the CPU
+        if residual is not None and residual.shape == x.shape:
+            # the residual becomes what is meant, then what is left, in place: no copy of the
+            # message's size beside it (one loaded from a checkpoint lies on the CPU: moved)
+            meant = residual.to(x.device).add_(x if x.dtype.itemsize <= 4 else x.float())  # wider: rounded first, as sent
+        else:
+            meant = x.to(torch.float32, copy=True)
         message = codec.encode(meant, block_size)
-        decoded = codec.decode(message, meant.numel(), block_size)
-        left = meant - decoded
+        left = meant.sub_(codec.decode(message, meant.numel(), block_size))
         # A non-finite value (an overflow the scaler will skip) must not poison later steps.
-        self._residuals[key] = torch.where(torch.isfinite(left), left, torch.zeros_like(left))
+        self._residuals[key] = left.masked_fill_(~torch.isfinite(left), 0.0)
         return message
 
     def add(self, key: str, residual: torch.Tensor) -> None:
@@ -111,7 +114,8 @@ class ErrorFeedback:
             self.clear()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The residuals by message name, to save beside the wrapper's own state."""
+        """The residuals by message name, to save beside the wrapper's own state (live tensors,
+        as a module's state dict: the next message updates them in place)."""
         return dict(self._residuals)
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:

@@ -117,20 +117,21 @@ class LowBitWire:
         all hold the same. Receivers pass a tensor of the same numel and dtype (its values unused).
         ``base`` (float32, ``x``'s numel; given on shadow steps): the values the received ``x`` is
         a change of (ZeRO-1 sends parameter changes); the check then reports the divergence of
-        ``base + received`` from ``base + exact``."""
-        block = self.policy.block_size
+        ``base + received`` from ``base + exact``. A receiver's ``x`` may be an expanded scalar
+        (``torch.zeros((), ...).expand(n)``): it costs nothing."""
+        block, n = self.policy.block_size, x.numel()
         sending = self.rank == src
         if sending:
             message = codec.encode(x, block)
         else:
-            message = torch.empty(codec.message_numel(x.numel(), block), dtype=torch.uint8, device=x.device)
+            message = torch.empty(codec.message_numel(n, block), dtype=torch.uint8, device=x.device)
         exact = self._exact_broadcast(x, src) if self.checking else None
         work = comm.broadcast(message, src, self.group) if self.world > 1 else None
         copies = self.world - 1 if sending else 0
         self.traffic.add("broadcast", message.numel() * copies, x.numel() * x.element_size() * copies)
 
-        def finish() -> torch.Tensor:
-            decoded = codec.decode(message, x.numel(), block)
+        def finish() -> torch.Tensor:  # holds no reference to ``x``: the sender's change goes once encoded
+            decoded = codec.decode(message, n, block)
             if exact is not None:
                 after = None if base is None else (base + decoded, base + exact.float())
                 self.shadow.compare("broadcast", decoded, exact, divergence_of=after)
