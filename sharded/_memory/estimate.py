@@ -156,7 +156,7 @@ def estimate_memory(
     kwargs = dict(optimizer_kwargs or {})
     profile = _activation_profile(model, example_input, loss_fn, activation_bytes, device)
     activations = profile.peak if profile is not None else int(activation_bytes or 0)
-    wire = LowBitCost(policy, world_size, lazy_pages=device.type == "cpu") if policy is not None else None
+    wire = LowBitCost(policy, world_size) if policy is not None else None
     if stage == 3:
         from .zero3 import zero3_layout
 

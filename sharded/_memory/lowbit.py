@@ -65,16 +65,10 @@ def check_stage_policy(lowbit: Any, stage: int) -> Optional[LowBit]:
 
 @dataclass(frozen=True)
 class LowBitCost:
-    """The byte costs of ``policy``'s messages for one stage's walk.
-
-    ``lazy_pages`` (CPU): a receive buffer the collective never writes (ZeRO-1's receivers'
-    float32 change, allocated and unused) costs no resident page; on an accelerator it costs
-    its size.
-    """
+    """The byte costs of ``policy``'s messages for one stage's walk."""
 
     policy: LowBit
     world: int
-    lazy_pages: bool
 
     @property
     def feedback(self) -> bool:
@@ -127,9 +121,9 @@ class BroadcastCost:
 def broadcast_cost(cost: LowBitCost, buckets: Sequence[Any], rank: int, packs_exact: bool = False) -> BroadcastCost:
     """Walk ``OSS(lowbit=)``'s broadcast of ``buckets`` (its plan: ``Bucket`` s, every owner's)
     as :class:`~sharded._owners.lowbit_params.LowBitParams` runs it: every bucket started (the
-    owner takes the float32 change of each of its parameters, joins them, encodes them; a
-    receiver allocates the change, which it never writes, and the message), then each finished
-    in turn (decoded in float32, added to the replica parameter by parameter). A bucket that
+    owner takes the float32 change of each of its parameters, joins them, encodes them and lets
+    the change go; a receiver allocates the message), then each finished in turn (decoded in
+    float32, added to the replica parameter by parameter). A bucket that
     travels exact is sent from its own storage, or (``packs_exact``:
     ``parameters_as_bucket_view=False``) as a packed copy of its several parameters."""
     masters = in_flight = peak = sent = 0
@@ -146,14 +140,12 @@ def broadcast_cost(cost: LowBitCost, buckets: Sequence[Any], rank: int, packs_ex
             finishing.append(0)
             continue
         sent += message * (cost.world - 1) // cost.world
-        change = 4 * numel
-        if bucket.src == rank:
+        if bucket.src == rank:  # the parameters' changes, joined, then encoded; the message stays
+            change = 4 * numel
             masters += numel * dtype.itemsize
             peak = max(peak, in_flight + 2 * change, in_flight + change + cost.encode_peak("params", numel, torch.float32))
-        else:
-            change = 0 if cost.lazy_pages else change
-        in_flight += change + message
-        held.append(change + message)
+        in_flight += message
+        held.append(message)
         largest = max(t.numel() for t in bucket.tensors)
         finishing.append(max(cost.decode_peak("params", numel, torch.float32, summed=False), 4 * numel + 4 * largest))
     for freed, transient in zip(held, finishing):
