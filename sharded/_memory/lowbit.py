@@ -11,8 +11,8 @@ fallback does.
 What a message holds comes from the codec itself (``Codec.message_numel``), and the
 temporaries of encoding and decoding one from running the codec and the error feedback on meta
 tensors under :class:`~.trial.LiveBytes`: those are the largest transient costs (an ``int8``
-encode with error feedback holds about 5.5 times the float32 message it encodes, at its worst),
-and measuring the code keeps them right when the codec changes.
+encode with error feedback holds about twice the float32 message it encodes beside its
+residual, at its worst), and measuring the code keeps them right when the codec changes.
 """
 
 from __future__ import annotations
