@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .._common.in_flight import MAX_REDUCTIONS_IN_FLIGHT, InFlight
-from ..fsdp._flat_buffers import gradient_widths
+from ..fsdp._gradient_rows import gradient_widths
 from ..fsdp._param import ShardGeometry
 from ..fsdp.wrap import as_wrap_policy, modules_to_wrap
 from .layout import Layout

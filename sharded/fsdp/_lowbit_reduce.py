@@ -1,6 +1,6 @@
 """ZeRO-3's gradient reduce-scatter in fewer bits: ``fully_shard(lowbit=LowBit(grads=...))``.
 
-A unit's packed gradients (:func:`._flat_buffers.pack_gradients`: ``W`` rows, row ``r`` what rank
+A unit's packed gradients (:func:`._gradient_rows.pack_gradients`: ``W`` rows, row ``r`` what rank
 ``r`` keeps) go through the wire's reduce-scatter (:meth:`LowBitWire.reduce_scatter`): every row
 is encoded in the policy's format, under error feedback with this rank's residual for that row
 (keyed ``<unit's module path> (<n> params, <checksum>)[r]``: a rebuilt model finds its residuals again, a row holding other parameters does not take them), exchanged
@@ -45,7 +45,7 @@ import torch.distributed as dist
 from .._common.errors import on_rank
 from .._common.lowbit import Codec, LowBitWire, Pending
 from ._collectives import PendingReduceScatter, start_reduce_scatter
-from ._flat_buffers import GradientLayout, gradient_widths, pack_gradients, unpack_rows
+from ._gradient_rows import GradientLayout, gradient_widths, pack_gradients, unpack_rows
 from ._param import ShardedParam
 from ._reduce_ops import DivisionPlan
 from ._settings import UnitSettings
@@ -87,7 +87,7 @@ class GradientWire:
 
     @property
     def tail_align(self) -> int:
-        """The alignment of a row's tail for :func:`._flat_buffers.pack_gradients`."""
+        """The alignment of a row's tail for :func:`._gradient_rows.pack_gradients`."""
         return self.wire.policy.block_size
 
     def count_exact(self, sent: torch.Tensor, world: int, row_numel: Optional[int] = None) -> None:

@@ -1,6 +1,6 @@
 """One unit's gradient reduction: its set-up, and the reduction in flight until its gradients land.
 
-A unit's :class:`GradientReducer` packs its gradients (:func:`._flat_buffers.pack_gradients`),
+A unit's :class:`GradientReducer` packs its gradients (:func:`._gradient_rows.pack_gradients`),
 scales them and starts the reduce-scatter (:mod:`._collectives`), as the unit's settings say at
 that moment; a :class:`Reduction` then waits for it, adds what earlier backwards left (hybrid
 sharding with the all-reduce deferred), all-reduces across replicas, applies the user's hook and
@@ -21,7 +21,7 @@ from torch.profiler import record_function
 
 from .._common import comm
 from ._collectives import PendingReduceScatter, ProfilerLabels, new_buffer, start_reduce_scatter
-from ._flat_buffers import GradientLayout, pack_gradients
+from ._gradient_rows import GradientLayout, pack_gradients
 from ._lowbit_reduce import GradientWire, LowBitReduceScatter, start_gradient_reduce_scatter
 from ._owned import OwnedReduction, start_owned_reduction
 from ._param import ShardedParam

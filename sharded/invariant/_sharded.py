@@ -173,7 +173,7 @@ class _UnitSum:
         self._this_micro_batch = summed
 
     def _start_exchange(self, params: list[Any], grads: list[Optional[torch.Tensor]]) -> tuple[PendingExchange, Any]:
-        from ..fsdp._flat_buffers import pack_gradients
+        from ..fsdp._gradient_rows import pack_gradients
 
         info = self.unit.mesh_info
         world, me = info.shard_world, info.shard_rank
