@@ -66,7 +66,8 @@ class AbortAtExitRetried(UserWarning):
 
 
 def run_on_ranks(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 90.0, **kwargs: Any
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 90.0, grace: float = GRACE_AFTER_FIRST_ERROR,
+    **kwargs: Any
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` fresh rank processes.
 
@@ -74,15 +75,17 @@ def run_on_ranks(
     :func:`tests._device.backend_for`: gloo on the CPU; 60 s collective timeout), on CUDA its
     device set, ``torch.set_num_threads(1)`` and ``torch.manual_seed(0)``. Returns the per-rank return
     values in rank order. Raises :class:`RankFailure` if any rank raises, dies, is still
-    running after ``timeout`` seconds, or fails to exit cleanly after reporting success. A
+    running after ``timeout`` seconds (or ``grace`` seconds after another rank failed: a test
+    whose ranks each detect a failed peer within a process group's timeout passes more than
+    that), or fails to exit cleanly after reporting success. A
     launch whose only fault is a rank killed by SIGABRT after its body returned (gloo's abort at
     exit) is retried once, with an :class:`AbortAtExitRetried` warning and a line on stderr.
     """
-    launch = _launch(fn, world_size, args, kwargs, timeout)
+    launch = _launch(fn, world_size, args, kwargs, timeout, grace)
     if not launch.aborted_at_exit():
         return launch.results()
     _report_retry(fn, launch)
-    retry = _launch(fn, world_size, args, kwargs, timeout)
+    retry = _launch(fn, world_size, args, kwargs, timeout, grace)
     if retry.aborted_at_exit():
         raise RankFailure(f"{retry.teardown_story()}\nthe first launch ended the same way; retried once only")
     return retry.results()
@@ -180,7 +183,7 @@ def _exit_story(code: Optional[int]) -> str:
     return f"exited with code {code} after its body returned"
 
 
-def _launch(fn, world_size, args, kwargs, timeout) -> _Launch:
+def _launch(fn, world_size, args, kwargs, timeout, grace) -> _Launch:
     device_type = _device.device_type_under_test()
     ctx = _forkserver()
     store_path = tempfile.mktemp(prefix="sharded-store-")
@@ -196,7 +199,7 @@ def _launch(fn, world_size, args, kwargs, timeout) -> _Launch:
         procs.append(proc)
     outcomes: dict[int, tuple] = {}
     try:
-        outcomes = _collect(pipes, procs, timeout)
+        outcomes = _collect(pipes, procs, timeout, grace)
     finally:
         all_ok = len(outcomes) == world_size and all(o[0] == "ok" for o in outcomes.values())
         exitcodes = _reap(procs, teardown_seconds=TEARDOWN_SECONDS if all_ok else 0.0)
@@ -272,14 +275,14 @@ def _forkserver():
     return _context
 
 
-def _collect(pipes, procs, timeout) -> dict[int, tuple]:
+def _collect(pipes, procs, timeout, grace) -> dict[int, tuple]:
     """Outcomes per rank until all reported, the deadline, or a grace period after an error."""
     deadline = time.monotonic() + timeout
     outcomes: dict[int, tuple] = {}
     waiting = {pipe: rank for rank, pipe in enumerate(pipes)}
     while waiting:
         if any(o[0] != "ok" for o in outcomes.values()):
-            deadline = min(deadline, time.monotonic() + GRACE_AFTER_FIRST_ERROR)
+            deadline = min(deadline, time.monotonic() + grace)
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             break

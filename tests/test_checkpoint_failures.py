@@ -31,6 +31,12 @@ from tests.test_checkpoint_resharding import assert_full_equal, build, load_into
 # Long enough for a loaded 2-core machine's slowest collective, short enough for a test. DCP is
 # imported with this module, before the short-timeout group exists, so its import cannot time out.
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=4)
+# How long after the first rank's error the others may take to raise theirs. A rank whose pending
+# collective waits on a live peer rather than on the dead one learns of the death only at its own
+# timeout: the first to notice (its pair with the dead rank closed) may report 4 s earlier. The
+# harness's default 3 s then failed a rank that was about to raise correctly (about one launch in
+# fifteen at world 3, killed in backward); a rank still running 4 s past the timeout is a hang.
+GRACE = PROCESS_GROUP_TIMEOUT.total_seconds() + 4.0
 
 
 def _regroup(rank, world, store_path):
@@ -99,7 +105,7 @@ SCENARIOS = {  # scenario: how the harness reports the failing rank
 def test_a_dead_or_hung_rank_stops_the_others_and_leaves_the_last_checkpoint(tmp_path, world_size, scenario):
     root = tmp_path / "checkpoints"
     with pytest.raises(RankFailure) as failure:
-        run_on_ranks(_train_until_a_rank_fails, world_size, str(tmp_path / "store"), root, scenario, timeout=60)
+        run_on_ranks(_train_until_a_rank_fails, world_size, str(tmp_path / "store"), root, scenario, timeout=60, grace=GRACE)
     report = str(failure.value)
     assert SCENARIOS[scenario] in report, report
     for rank in range(world_size - 1):
