@@ -158,7 +158,7 @@ class LowBitBuckets:
         self.wire.feedback.carry(dict(by_param))
 
     def _take_carried(self, bucket: ReduceBucket, name: str) -> None:
-        carried = self.wire.feedback.take_carried(list(bucket.params))
+        carried = self.wire.feedback.take_carried(bucket.params)
         if not carried:
             return
         residual = torch.zeros(bucket.numel, dtype=torch.float32, device=bucket.device)

@@ -156,7 +156,7 @@ def _spread_carried(lowbit: GradientWire, layout: GradientLayout, scale: float, 
     """Fold the residuals carried for the row's parameters into the rows' residuals, as what
     this reduction sends (divided by ``scale``); the tail carries none."""
     feedback = lowbit.wire.feedback
-    carried = feedback.take_carried(list(layout.params))
+    carried = feedback.take_carried(layout.params)
     if not carried:
         return
     device = next(iter(carried.values())).device

@@ -72,7 +72,11 @@ class ErrorFeedback:
             self._carried[param] = residual.detach().float().clone() if held is None else held + residual.to(held.device)
 
     def take_carried(self, params: Sequence[Any]) -> dict[Any, torch.Tensor]:
-        """The residuals carried for ``params`` (those that have one), no longer carried."""
+        """The residuals carried for ``params`` (those that have one), no longer carried. Called
+        for every message sent: with nothing carried (every step but the first after a load or
+        a re-plan) it returns at once, without walking ``params``."""
+        if not self._carried:
+            return {}
         return {p: self._carried.pop(p) for p in params if p in self._carried}
 
     @property
