@@ -29,7 +29,6 @@ from .trial import LiveBytes
 
 __all__ = ["BroadcastCost", "LowBitCost", "UnitWire", "broadcast_cost", "check_stage_policy", "unit_wire"]
 
-_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _FIELDS = {1: ("params",), 2: ("grads",), 3: ("params", "grads")}
 _WRAPPER = {1: "OSS(lowbit=LowBit(params=...))", 2: "ShardedDataParallel(lowbit=LowBit(grads=...))",
             3: "fully_shard(lowbit=LowBit(params=..., grads=...))"}
@@ -79,8 +78,7 @@ class LowBitCost:
         """The codec a message of ``numel`` elements of ``dtype`` travels in, ``None`` where it
         goes exact (the kind left exact, or the wire's fallback: too small, not floating)."""
         name = getattr(self.policy, kind)
-        # LowBitWire's own test (``_unfit``): floating, not float8, at least min_numel elements
-        if name is None or numel < self.policy.min_numel or not dtype.is_floating_point or dtype in _FLOAT8:
+        if name is None or self.policy.exact_reason(numel, dtype) is not None:  # the wire's own rule
             return None
         return codec_for(name)
 

@@ -14,6 +14,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Literal, Optional
 
+import torch
+
 from .codecs import GRAD_FORMATS, PARAM_FORMATS
 
 __all__ = ["LowBit", "LowBitCheck", "MODES"]
@@ -97,6 +99,16 @@ class LowBit:
         except KeyError:
             raise ValueError(f"unknown low-bit mode {name!r}; choose one of {sorted(MODES)}") from None
         return dataclasses.replace(base, **options)  # type: ignore[arg-type]
+
+    def exact_reason(self, numel: int, dtype: torch.dtype) -> Optional[str]:
+        """Why a message of ``numel`` elements of ``dtype`` travels exact under this policy (not
+        a float type a codec narrows, or below ``min_numel``); ``None`` where a codec may take it.
+        The one rule the collectives (``LowBitWire.codec``) and the memory planner both follow."""
+        if not dtype.is_floating_point or dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            return f"{str(dtype).replace('torch.', '')} is not a float type it narrows"
+        if numel < self.min_numel:
+            return f"below {self.min_numel} elements"
+        return None
 
     @property
     def active(self) -> bool:

@@ -82,14 +82,7 @@ class LowBitWire:
         codec = self._codecs[kind]
         if codec is None:
             return None
-        return codec if self.fallbacks.note(collective, name, self._unfit(tensor), tensor.dtype) else None
-
-    def _unfit(self, tensor: torch.Tensor) -> Optional[str]:
-        if not tensor.is_floating_point() or tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            return f"{str(tensor.dtype).replace('torch.', '')} is not a float type it narrows"
-        if tensor.numel() < self.policy.min_numel:
-            return f"below {self.policy.min_numel} elements"
-        return None
+        return codec if self.fallbacks.note(collective, name, self.policy.exact_reason(tensor.numel(), tensor.dtype), tensor.dtype) else None
 
     @property
     def checking(self) -> bool:
