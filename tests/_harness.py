@@ -249,7 +249,7 @@ def _rank_main(rank, world_size, device_type, fn, args, kwargs, store_path, send
         sender.close()
         os._exit(1)
     try:
-        value = fn(rank, world_size, *args, **kwargs)
+        value = _run_body(fn, rank, world_size, args, kwargs)
     except BaseException:
         sender.send(("error", traceback.format_exc(), time.time()))
         sender.close()
@@ -262,6 +262,19 @@ def _rank_main(rank, world_size, device_type, fn, args, kwargs, store_path, send
             dist.destroy_process_group()
     except BaseException:
         os._exit(TEARDOWN_FAILED)
+
+
+def _run_body(fn, rank, world_size, args, kwargs):
+    """``fn`` on this rank; with ``SHARDED_TEST_TRACK_WORK`` set, under
+    :class:`tests._work_tracking.TrackWork`, failing if a storage was let go of in flight."""
+    if not os.environ.get("SHARDED_TEST_TRACK_WORK"):
+        return fn(rank, world_size, *args, **kwargs)
+    from tests._work_tracking import TrackWork
+
+    with TrackWork() as track:
+        value = fn(rank, world_size, *args, **kwargs)
+    track.assert_nothing_released(f"the end of {getattr(fn, '__qualname__', fn)} on rank {rank}")
+    return value
 
 
 # ---------------------------------------------------------------------------- parent side
