@@ -16,11 +16,21 @@ When every rank's body returned and a rank then died of SIGABRT while tearing do
 launch is retried once, with a warning saying so; a second such abort, an abort inside a body,
 or any other death fails the test. :func:`run_job` does the same for a job started as a
 subprocess (torchrun, Lightning's launcher): one retry when the job failed only by that abort.
+
+The other retry is for torch's rare crash on a gloo worker thread (docs/guides/known-issues.md:
+it happens with torch's own ``fully_shard`` in a process that never imports sharded). A launch is
+retried once, with a :class:`GlooThreadCrashRetried` warning, when a rank died of SIGABRT with
+glibc's heap-corruption message, or of SIGSEGV with no Python thread named as the faulting one,
+and every other rank either finished or failed only because that peer was gone. Each rank's
+stderr goes to a file the parent reads (and echoes) to tell those deaths apart; a buffer that
+sharded frees under a collective dies the same way, which tests/test_no_work_left.py checks in
+program order instead.
 """
 
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import multiprocessing
 import os
 import shutil
@@ -41,7 +51,7 @@ import torch.distributed as dist
 
 from tests import _device
 
-__all__ = ["AbortAtExitRetried", "RankFailure", "run_on_ranks", "run_job", "assert_same_on_all_ranks"]
+__all__ = ["AbortAtExitRetried", "GlooThreadCrashRetried", "RankFailure", "run_on_ranks", "run_job", "assert_same_on_all_ranks"]
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
 GRACE_AFTER_FIRST_ERROR = 3.0  # seconds the other ranks get to report their own errors
@@ -53,6 +63,9 @@ TEARDOWN_FAILED = 3  # a rank's exit code when its teardown raised (a peer died 
 _PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch.optim", "torch.distributed.optim", "sharded",
             "tests._device", "tests._harness"]
 ABORT_AT_EXIT = "terminate called without an active exception"  # what libstdc++ prints before it
+SEGFAULT = -signal.SIGSEGV
+HEAP_CORRUPTION = ("malloc(): ", "free(): ", "double free", "corrupted size", "corrupted double-linked",
+                   "malloc_consolidate(): ", "unaligned tcache chunk")  # glibc's messages before it aborts
 _SECONDARY_ERRORS = ("Connection reset", "Connection closed", "Broken pipe", "Socket closed")
 _context = None
 
@@ -63,6 +76,10 @@ class RankFailure(AssertionError):
 
 class AbortAtExitRetried(UserWarning):
     """A launch was retried because a rank died of SIGABRT after its body returned."""
+
+
+class GlooThreadCrashRetried(UserWarning):
+    """A launch was retried because a rank died of torch's crash on a gloo worker thread."""
 
 
 def run_on_ranks(
@@ -82,12 +99,21 @@ def run_on_ranks(
     exit) is retried once, with an :class:`AbortAtExitRetried` warning and a line on stderr.
     """
     launch = _launch(fn, world_size, args, kwargs, timeout, grace)
-    if not launch.aborted_at_exit():
+    if launch.aborted_at_exit():
+        _report_retry(fn, launch)
+        retry = _launch(fn, world_size, args, kwargs, timeout, grace)
+        if retry.aborted_at_exit():
+            raise RankFailure(f"{retry.teardown_story()}\nthe first launch ended the same way; retried once only")
+        return retry.results()
+    crashed = launch.crashed_on_a_gloo_thread()
+    if crashed is None:
         return launch.results()
-    _report_retry(fn, launch)
+    _report_gloo_crash(fn, launch, crashed)
     retry = _launch(fn, world_size, args, kwargs, timeout, grace)
-    if retry.aborted_at_exit():
-        raise RankFailure(f"{retry.teardown_story()}\nthe first launch ended the same way; retried once only")
+    if retry.crashed_on_a_gloo_thread() is not None:
+        failures = {r: o for r, o in retry.outcomes.items() if o[0] != "ok"}
+        raise RankFailure(f"{_describe(failures, retry.outcomes, world_size, timeout)}\n"
+                          "the first launch ended the same way; retried once only")
     return retry.results()
 
 
@@ -140,6 +166,7 @@ class _Launch:
     timeout: float
     outcomes: dict[int, tuple]
     exitcodes: dict[int, Optional[int]]  # None: still tearing down at the deadline, killed
+    stderr: dict[int, str]  # what each rank wrote to its standard error
 
     def bodies_returned(self) -> bool:
         return len(self.outcomes) == self.world_size and all(o[0] == "ok" for o in self.outcomes.values())
@@ -153,6 +180,25 @@ class _Launch:
             and ABORTED in codes
             and all(code in (0, ABORTED, TEARDOWN_FAILED) for code in codes)
         )
+
+    def crashed_on_a_gloo_thread(self) -> Optional[int]:
+        """The rank that died of torch's crash on a gloo worker thread, if that is all that went
+        wrong: SIGABRT after one of glibc's heap-corruption messages, or SIGSEGV with Python's
+        fault handler naming no thread as the faulting one; every other rank reported success or
+        an error that only says a peer went away."""
+        crashed = [rank for rank, outcome in self.outcomes.items() if outcome[0] == "died" and self._gloo_thread_death(rank, outcome[1])]
+        others = [o for r, o in self.outcomes.items() if o[0] != "ok" and r not in crashed]
+        if len(crashed) != 1 or len(self.outcomes) < self.world_size:
+            return None
+        return crashed[0] if all(any(m in o[1] for m in _SECONDARY_ERRORS) for o in others) else None
+
+    def _gloo_thread_death(self, rank: int, story: str) -> bool:
+        text = self.stderr.get(rank, "")
+        if f"exited with code {ABORTED} " in story:
+            return any(message in text for message in HEAP_CORRUPTION)
+        if f"exited with code {SEGFAULT} " in story:
+            return "Fatal Python error: Segmentation fault" in text and "Current thread" not in text
+        return False
 
     def results(self) -> list[Any]:
         """Every rank's return value; raise :class:`RankFailure` unless all ran and exited cleanly."""
@@ -188,10 +234,12 @@ def _launch(fn, world_size, args, kwargs, timeout, grace) -> _Launch:
     ctx = _forkserver()
     store_path = tempfile.mktemp(prefix="sharded-store-")
     pipes, procs = [], []
+    stderr_paths = [tempfile.mktemp(prefix=f"sharded-rank{rank}-stderr-") for rank in range(world_size)]
     for rank in range(world_size):
         receiver, sender = ctx.Pipe(duplex=False)
         proc = ctx.Process(
-            target=_rank_main, args=(rank, world_size, device_type, fn, args, kwargs, store_path, sender), daemon=True
+            target=_rank_main, args=(rank, world_size, device_type, fn, args, kwargs, store_path, sender, stderr_paths[rank]),
+            daemon=True,
         )
         proc.start()
         sender.close()
@@ -205,7 +253,32 @@ def _launch(fn, world_size, args, kwargs, timeout, grace) -> _Launch:
         exitcodes = _reap(procs, teardown_seconds=TEARDOWN_SECONDS if all_ok else 0.0)
         if os.path.exists(store_path):
             os.remove(store_path)
-    return _Launch(world_size, timeout, outcomes, exitcodes if all_ok else {})
+        stderr = {rank: _take_stderr(path) for rank, path in enumerate(stderr_paths)}
+    return _Launch(world_size, timeout, outcomes, exitcodes if all_ok else {}, stderr)
+
+
+def _take_stderr(path: str) -> str:
+    """A rank's standard error, echoed to ours (where pytest shows it) and its file removed."""
+    if not os.path.exists(path):
+        return ""
+    with open(path, "rb") as f:
+        data = f.read()
+    os.remove(path)
+    if data:
+        sys.stderr.flush()
+        os.write(2, data)
+    return data.decode(errors="replace")
+
+
+def _report_gloo_crash(fn, launch: _Launch, rank: int) -> None:
+    """Say that a launch is retried because of torch's crash on a gloo thread."""
+    message = (
+        f"run_on_ranks({getattr(fn, '__qualname__', fn)}, world {launch.world_size}): rank {rank} "
+        f"{launch.outcomes[rank][1]}, on a gloo worker thread (torch's rare crash, "
+        "docs/guides/known-issues.md), retrying the launch once"
+    )
+    print(message, file=sys.stderr, flush=True)
+    warnings.warn(message, GlooThreadCrashRetried, stacklevel=3)
 
 
 def _report_retry(fn, launch: _Launch) -> None:
@@ -234,7 +307,8 @@ def assert_same_on_all_ranks(tensors: list[torch.Tensor], what: str) -> None:
 # ----------------------------------------------------------------------------- rank side
 
 
-def _rank_main(rank, world_size, device_type, fn, args, kwargs, store_path, sender) -> None:
+def _rank_main(rank, world_size, device_type, fn, args, kwargs, store_path, sender, stderr_path) -> None:
+    _stderr_to(stderr_path)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     try:
@@ -262,6 +336,16 @@ def _rank_main(rank, world_size, device_type, fn, args, kwargs, store_path, send
             dist.destroy_process_group()
     except BaseException:
         os._exit(TEARDOWN_FAILED)
+
+
+def _stderr_to(path: str) -> None:
+    """Send this rank's standard error (Python's, C++'s, glibc's) to ``path``, for the parent to
+    read, with Python's fault handler on so that a fatal signal says which thread it hit."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    sys.stderr.flush()
+    os.dup2(fd, 2)
+    os.close(fd)
+    faulthandler.enable(all_threads=True)
 
 
 def _run_body(fn, rank, world_size, args, kwargs):

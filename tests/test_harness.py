@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -11,8 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests._harness import (ABORT_AT_EXIT, AbortAtExitRetried, RankFailure, assert_same_on_all_ranks, run_job,
-                            run_on_ranks)
+from tests._harness import (ABORT_AT_EXIT, AbortAtExitRetried, GlooThreadCrashRetried, RankFailure,
+                            assert_same_on_all_ranks, run_job, run_on_ranks)
 
 
 def _rank_and_sum(rank, world):
@@ -128,6 +129,47 @@ def test_an_abort_inside_the_body_fails_without_retry(tmp_path):
     log = str(tmp_path / "launches")
     with pytest.raises(RankFailure, match=r"rank 1 died:\nexited with code -6 before reporting a result"):
         run_on_ranks(_abort_in_the_body_on_rank_one, 2, log, timeout=30)
+    assert len(open(log).readlines()) == 1
+
+
+def _heap_crash_on_rank_one(rank, world, log, launches_that_crash):
+    """Rank 1 dies as torch's gloo-thread crash does (glibc's message, then SIGABRT) in its first
+    ``launches_that_crash`` launches; rank 0 then fails only because its peer went away."""
+    if rank == 1 and _count_launch(log) < launches_that_crash:
+        os.write(2, b"malloc(): unaligned tcache chunk detected\n")
+        os.abort()
+    dist.barrier()
+    return rank
+
+
+def test_torchs_gloo_thread_crash_is_retried_once_and_said(tmp_path, capfd):
+    log = str(tmp_path / "launches")
+    with pytest.warns(GlooThreadCrashRetried, match=r"rank 1 exited with code -6 before reporting a result, on a gloo worker thread"):
+        assert run_on_ranks(_heap_crash_on_rank_one, 2, log, 1, timeout=30) == [0, 1]
+    assert len(open(log).readlines()) == 2
+    err = capfd.readouterr().err
+    assert "retrying the launch once" in err
+    assert "unaligned tcache chunk" in err, "the rank's own stderr is echoed"
+
+
+def test_torchs_gloo_thread_crash_in_every_launch_fails_after_one_retry(tmp_path):
+    log = str(tmp_path / "launches")
+    with pytest.warns(GlooThreadCrashRetried), pytest.raises(RankFailure, match=r"exited with code -6[\s\S]*retried once only"):
+        run_on_ranks(_heap_crash_on_rank_one, 2, log, 99, timeout=30)
+    assert len(open(log).readlines()) == 2
+
+
+def _segfault_on_the_main_thread(rank, world, log):
+    if rank == 1:
+        _count_launch(log)
+        os.kill(os.getpid(), signal.SIGSEGV)
+
+
+def test_a_segfault_on_a_python_thread_fails_without_retry(tmp_path):
+    """The fault handler names the main thread as the faulting one: not gloo's crash, no retry."""
+    log = str(tmp_path / "launches")
+    with pytest.raises(RankFailure, match=r"rank 1 died:\nexited with code -11 before reporting a result"):
+        run_on_ranks(_segfault_on_the_main_thread, 2, log, timeout=30)
     assert len(open(log).readlines()) == 1
 
 
