@@ -100,7 +100,8 @@ def run_on_ranks(
     """
     launch = _launch(fn, world_size, args, kwargs, timeout, grace)
     if launch.aborted_at_exit():
-        _report_retry(fn, launch)
+        why = f"{launch.teardown_story()}; gloo's known abort at exit ('terminate called without an active exception')"
+        _report_retry(fn, launch, why, AbortAtExitRetried)
         retry = _launch(fn, world_size, args, kwargs, timeout, grace)
         if retry.aborted_at_exit():
             raise RankFailure(f"{retry.teardown_story()}\nthe first launch ended the same way; retried once only")
@@ -108,7 +109,8 @@ def run_on_ranks(
     crashed = launch.crashed_on_a_gloo_thread()
     if crashed is None:
         return launch.results()
-    _report_gloo_crash(fn, launch, crashed)
+    why = f"rank {crashed} {launch.outcomes[crashed][1]}, on a gloo worker thread (torch's rare crash, docs/guides/known-issues.md)"
+    _report_retry(fn, launch, why, GlooThreadCrashRetried)
     retry = _launch(fn, world_size, args, kwargs, timeout, grace)
     if retry.crashed_on_a_gloo_thread() is not None:
         failures = {r: o for r, o in retry.outcomes.items() if o[0] != "ok"}
@@ -270,26 +272,11 @@ def _take_stderr(path: str) -> str:
     return data.decode(errors="replace")
 
 
-def _report_gloo_crash(fn, launch: _Launch, rank: int) -> None:
-    """Say that a launch is retried because of torch's crash on a gloo thread."""
-    message = (
-        f"run_on_ranks({getattr(fn, '__qualname__', fn)}, world {launch.world_size}): rank {rank} "
-        f"{launch.outcomes[rank][1]}, on a gloo worker thread (torch's rare crash, "
-        "docs/guides/known-issues.md), retrying the launch once"
-    )
-    print(message, file=sys.stderr, flush=True)
-    warnings.warn(message, GlooThreadCrashRetried, stacklevel=3)
-
-
-def _report_retry(fn, launch: _Launch) -> None:
+def _report_retry(fn, launch: _Launch, why: str, category: type[Warning]) -> None:
     """Say, where a CI log shows it (stderr and pytest's warnings summary), that a launch is retried."""
-    message = (
-        f"run_on_ranks({getattr(fn, '__qualname__', fn)}, world {launch.world_size}): "
-        f"{launch.teardown_story()}; gloo's known abort at exit ('terminate called without an "
-        "active exception'), retrying the launch once"
-    )
+    message = f"run_on_ranks({getattr(fn, '__qualname__', fn)}, world {launch.world_size}): {why}, retrying the launch once"
     print(message, file=sys.stderr, flush=True)
-    warnings.warn(message, AbortAtExitRetried, stacklevel=3)
+    warnings.warn(message, category, stacklevel=3)
 
 
 def assert_same_on_all_ranks(tensors: list[torch.Tensor], what: str) -> None:
