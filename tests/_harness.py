@@ -169,6 +169,7 @@ class _Launch:
     outcomes: dict[int, tuple]
     exitcodes: dict[int, Optional[int]]  # None: still tearing down at the deadline, killed
     stderr: dict[int, str]  # what each rank wrote to its standard error
+    died: dict[int, Optional[int]]  # the exit code of each rank that died before reporting
 
     def bodies_returned(self) -> bool:
         return len(self.outcomes) == self.world_size and all(o[0] == "ok" for o in self.outcomes.values())
@@ -188,17 +189,17 @@ class _Launch:
         wrong: SIGABRT after one of glibc's heap-corruption messages, or SIGSEGV with Python's
         fault handler naming no thread as the faulting one; every other rank reported success or
         an error that only says a peer went away."""
-        crashed = [rank for rank, outcome in self.outcomes.items() if outcome[0] == "died" and self._gloo_thread_death(rank, outcome[1])]
+        crashed = [rank for rank in self.died if self._gloo_thread_death(rank)]
         others = [o for r, o in self.outcomes.items() if o[0] != "ok" and r not in crashed]
         if len(crashed) != 1 or len(self.outcomes) < self.world_size:
             return None
         return crashed[0] if all(any(m in o[1] for m in _SECONDARY_ERRORS) for o in others) else None
 
-    def _gloo_thread_death(self, rank: int, story: str) -> bool:
+    def _gloo_thread_death(self, rank: int) -> bool:
         text = self.stderr.get(rank, "")
-        if f"exited with code {ABORTED} " in story:
+        if self.died[rank] == ABORTED:
             return any(message in text for message in HEAP_CORRUPTION)
-        if f"exited with code {SEGFAULT} " in story:
+        if self.died[rank] == SEGFAULT:
             return "Fatal Python error: Segmentation fault" in text and "Current thread" not in text
         return False
 
@@ -256,7 +257,8 @@ def _launch(fn, world_size, args, kwargs, timeout, grace) -> _Launch:
         if os.path.exists(store_path):
             os.remove(store_path)
         stderr = {rank: _take_stderr(path) for rank, path in enumerate(stderr_paths)}
-    return _Launch(world_size, timeout, outcomes, exitcodes if all_ok else {}, stderr)
+    died = {rank: procs[rank].exitcode for rank, outcome in outcomes.items() if outcome[0] == "died"}
+    return _Launch(world_size, timeout, outcomes, exitcodes if all_ok else {}, stderr, died)
 
 
 def _take_stderr(path: str) -> str:

@@ -78,12 +78,13 @@ class Started:
 
     def moved(self) -> list[str]:
         """The held tensors whose storage has another address or size now than at the start."""
-        return [
-            f"a {tuple(tensor.shape)} {tensor.dtype} tensor's storage changed while in flight "
-            f"({address:#x}, {nbytes} bytes -> {_storage_of(tensor)[0]:#x}, {_storage_of(tensor)[1]} bytes)"
-            for tensor, (address, nbytes) in self.held
-            if _storage_of(tensor) != (address, nbytes)
-        ]
+        moved = []
+        for tensor, at_start in self.held:
+            now = _storage_of(tensor)
+            if now != at_start:
+                moved.append(f"a {tuple(tensor.shape)} {tensor.dtype} tensor's storage changed while in flight "
+                             f"({at_start[0]:#x}, {at_start[1]} bytes -> {now[0]:#x}, {now[1]} bytes)")
+        return moved
 
 
 class TrackWork:
